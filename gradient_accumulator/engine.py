@@ -1,0 +1,243 @@
+"""The accumulation engine shared by the model wrapper, the optimizer wrapper and BN.
+
+One :class:`GradientAccumulator` holds the float32 gradient sums of one
+accumulation group and decides, once per micro-step, whether this micro-step
+ends the group (an *update step*). Everything that must line up with the
+optimizer update reads that decision from here: the optimizer is called with
+the accumulated gradient, and layers such as ``AccumBatchNormalization`` read it
+through :func:`current_update_step` while the model's forward pass is traced.
+
+Why the structure: Keras 3's built-in accumulation puts ``optimizer.apply``
+(which all-reduces gradients and calls ``merge_call``) inside a conditional
+in *replica* context, which ``tf.distribute`` forbids. Here every micro-step
+runs the same unconditional ``merge_call``; the apply-or-skip conditional
+runs in *cross-replica* context and re-enters the replicas for the update,
+the pattern of Keras's own ``LossScaleOptimizer``. The sums themselves are
+replica-local (``synchronization="on_read"``), so a micro-step that does not
+update communicates nothing.
+"""
+
+import contextlib
+import threading
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+_context = threading.local()
+
+
+@contextlib.contextmanager
+def update_step_scope(is_update_step):
+    """Makes ``is_update_step`` the answer of :func:`current_update_step` inside.
+
+    Entered by the model wrapper around its forward pass, so that every layer
+    whose state follows the update boundary reads one source of truth instead
+    of keeping a counter of its own that could drift.
+    """
+    stack = _context.__dict__.setdefault("stack", [])
+    stack.append(is_update_step)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def current_update_step():
+    """Boolean tensor: does the micro-step being traced end its group?
+
+    ``None`` outside a :func:`update_step_scope` (a layer used on its own).
+    """
+    stack = getattr(_context, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _sum_name(variable):
+    path = getattr(variable, "path", None) or variable.name
+    return path.replace("/", "_").replace(":", "_") + "_accumulator"
+
+
+class GradientAccumulator(tf.Module):
+    """Float32 gradient sums of one accumulation group and its update boundary.
+
+    With micro-batch gradients ``g_i`` (of the mean loss over ``n_i`` samples)
+    and micro-batch weights ``w_i = n_i / n_1`` (``n_1``: the group's first
+    micro-batch, so ``w_i == 1`` exactly when sizes are equal), the gradient
+    handed to the optimizer at the update step is::
+
+        g = sum_i(w_i * g_i) / sum_i(w_i)
+
+    which is the gradient of the mean loss over the concatenated group,
+    whatever the micro-batch sizes. The caller provides ``w_i * g_i`` directly
+    by differentiating ``w_i * loss_i`` (one scalar multiply in the backward
+    pass), so accumulating costs one ``assign_add`` per variable.
+
+    A group ends after ``accum_steps`` micro-steps, or earlier when
+    ``steps_to_boundary`` (set by the caller, e.g. to the micro-steps left in
+    the epoch) reaches zero.
+
+    State (replica-local variables created at construction, float32 sums
+    whatever the compute dtype):
+
+    - ``gradient_sums[j]``: ``sum_i(w_i * g_ij)`` for trainable variable ``j``.
+    - ``weight_sum``: ``sum_i(w_i)``.
+    - ``first_batch_size``: ``n_1``, samples in the group's first micro-batch.
+    - ``micro_step``: micro-steps accumulated in the current group.
+    - ``steps_to_boundary``: micro-steps left before a forced group end,
+      negative for none. Transient (not saved): the fit loop resets it.
+
+    Args:
+        accum_steps: Integer >= 1, micro-steps per update.
+        variables: The trainable variables whose gradients are accumulated,
+            in the order gradients will be passed.
+        name: String, the name scope of the state.
+    """
+
+    def __init__(self, accum_steps, variables, name="gradient_accumulator"):
+        super().__init__(name=name)
+        self.accum_steps = accum_steps
+        # Identities only: holding the variables would make tf.train.Checkpoint
+        # save every model weight a second time under this object.
+        self._variable_ids = tuple(id(v) for v in variables)
+
+        def local(initializer, shape, dtype, name, aggregation):
+            return keras.Variable(
+                initializer=initializer,
+                shape=shape,
+                dtype=dtype,
+                trainable=False,
+                name=name,
+                synchronization="on_read",
+                aggregation=aggregation,
+            )
+
+        with tf.name_scope(name):
+            self.gradient_sums = [
+                local("zeros", v.shape, "float32", _sum_name(v), "sum")
+                for v in variables
+            ]
+            self.weight_sum = local("zeros", (), "float32", "weight_sum", "sum")
+            self.first_batch_size = local(
+                "ones", (), "float32", "first_batch_size", "only_first_replica"
+            )
+            self.micro_step = local(
+                "zeros", (), "int64", "micro_step", "only_first_replica"
+            )
+            self.steps_to_boundary = local(
+                -1, (), "int64", "steps_to_boundary", "only_first_replica"
+            )
+
+    @property
+    def state_variables(self):
+        """The variables a checkpoint must hold to resume inside a group."""
+        return [
+            self.micro_step,
+            self.weight_sum,
+            self.first_batch_size,
+            *self.gradient_sums,
+        ]
+
+    def matches(self, variables):
+        """Whether this accumulator was built for exactly ``variables``."""
+        return tuple(id(v) for v in variables) == self._variable_ids
+
+    def begin_micro_step(self, batch_size=None):
+        """Starts a micro-step: returns ``(loss_weight, is_update_step)``.
+
+        Args:
+            batch_size: Scalar tensor, samples in this micro-batch; ``None``
+                gives every micro-step the weight 1.
+
+        Returns:
+            ``loss_weight``: float32 scalar ``w_i`` to multiply the loss by.
+            ``is_update_step``: boolean scalar, whether this micro-step ends
+            the group (read it before the forward pass, e.g. for BN).
+        """
+        steps_left = self.steps_to_boundary.assign_sub(1)
+        is_update_step = ops.logical_or(
+            ops.greater_equal(self.micro_step + 1, self.accum_steps),
+            ops.equal(steps_left, 0),
+        )
+        if batch_size is None:
+            return ops.ones((), "float32"), is_update_step
+        size = ops.cast(batch_size, "float32")
+        first = ops.where(
+            ops.equal(self.micro_step, 0), size, self.first_batch_size
+        )
+        self.first_batch_size.assign(first)
+        return size / first, is_update_step
+
+    def step(self, grads, loss_weight, is_update_step, optimizer, variables):
+        """Adds ``grads`` to the sums, then updates through ``optimizer`` if due.
+
+        Must be called in replica context (inside ``strategy.run`` or with no
+        strategy). ``grads`` are the gradients of ``loss_weight * loss`` (times
+        the loss scale under mixed precision) in the order of ``variables``;
+        ``None`` entries stay ``None`` for the optimizer, so variables without
+        a gradient are left alone as in plain Keras.
+        """
+        for acc, grad in zip(self.gradient_sums, grads):
+            if grad is None:
+                continue
+            if isinstance(grad, tf.IndexedSlices):
+                acc.value.scatter_add(
+                    tf.IndexedSlices(
+                        ops.cast(grad.values, "float32"),
+                        grad.indices,
+                        grad.dense_shape,
+                    )
+                )
+            else:
+                acc.assign_add(ops.cast(grad, "float32"))
+        self.weight_sum.assign_add(loss_weight)
+        self.micro_step.assign_add(1)
+        # Trace-time structure, not state: which variables get a gradient at
+        # all. Replayed by `apply_pending`, which has no gradients to look at.
+        self._has_gradient = [grad is not None for grad in grads]
+        self.apply_if(is_update_step, optimizer, variables)
+
+    def apply_pending(self, optimizer, variables):
+        """Updates with a non-empty, unfinished group (replica context).
+
+        For a group cut short by the end of the data when the number of
+        micro-steps was not known in advance.
+        """
+        self.apply_if(ops.greater(self.micro_step, 0), optimizer, variables)
+
+    def apply_if(self, is_update_step, optimizer, variables):
+        """Hands the group's mean gradient to ``optimizer`` if ``is_update_step``.
+
+        Called in replica context; resets the group after updating.
+        """
+        has_gradient = getattr(self, "_has_gradient", [True] * len(variables))
+
+        def apply_in_replica():
+            mean_grads = [
+                ops.cast(acc / self.weight_sum, var.dtype) if has else None
+                for acc, var, has in zip(
+                    self.gradient_sums, variables, has_gradient
+                )
+            ]
+            optimizer.apply(mean_grads, variables)
+            self.reset()
+
+        def decide_in_cross_replica(strategy, is_update_step):
+            # The conditional lives here, in cross-replica context, so that the
+            # optimizer's own merge_call/all-reduce is legal inside it.
+            decision = strategy.experimental_local_results(is_update_step)[0]
+
+            def update():
+                strategy.extended.call_for_each_replica(apply_in_replica)
+
+            tf.cond(decision, update, lambda: None)
+
+        tf.distribute.get_replica_context().merge_call(
+            decide_in_cross_replica, args=(is_update_step,)
+        )
+
+    def reset(self):
+        """Empties the group (call in replica context)."""
+        for acc in self.gradient_sums:
+            acc.assign(ops.zeros(acc.shape, acc.dtype))
+        self.weight_sum.assign(0.0)
+        self.micro_step.assign(0)

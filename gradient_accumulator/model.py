@@ -1,0 +1,225 @@
+"""The model wrapper: ``fit(batch_size=b)`` with k-step accumulation equals ``fit(batch_size=k*b)``."""
+
+import inspect
+import warnings
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from gradient_accumulator.engine import GradientAccumulator, update_step_scope
+from gradient_accumulator.validation import (
+    check_accum_steps,
+    check_optimizer_does_not_accumulate,
+)
+
+_STATE_PREFIX = "accumulator_"
+
+
+def _batch_size(x):
+    first = next(t for t in keras.tree.flatten(x) if t is not None)
+    return ops.shape(first)[0]
+
+
+class _EpochBoundary(keras.callbacks.Callback):
+    """Ends the accumulation group with the epoch, before validation runs.
+
+    ``fit`` adds this callback itself. When the epoch's length is known it
+    tells the accumulator how many micro-steps are left, so the last, shorter
+    group is applied inside the epoch's last train step; otherwise (data of
+    unknown length, or ``stop_training``) whatever is left is applied when the
+    epoch ends.
+    """
+
+    def __init__(self, model):
+        super().__init__()
+        self._owner = model
+
+    def on_epoch_begin(self, epoch, logs=None):
+        steps = self.params.get("steps")
+        self._owner._accumulator.steps_to_boundary.assign(
+            -1 if steps is None else int(steps)
+        )
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._owner.apply_accumulated_gradients()
+
+    def on_train_end(self, logs=None):
+        self._owner._accumulator.steps_to_boundary.assign(-1)
+
+
+@keras.saving.register_keras_serializable(package="gradient_accumulator")
+class GradientAccumulateModel(keras.Model):
+    """A ``keras.Model`` whose ``fit`` accumulates gradients over micro-batches.
+
+    Each train step computes the gradient of one micro-batch and adds it to
+    float32 sums; every ``accum_steps``-th micro-step hands the mean of the
+    group to the compiled optimizer and empties the sums. With micro-batch
+    gradients ``g_i`` over ``n_i`` samples, the update uses::
+
+        g = sum_i(n_i * g_i) / sum_i(n_i)
+
+    the gradient of the mean loss over the concatenated group. Hence
+    ``fit(x, y, batch_size=b)`` trains like plain Keras
+    ``fit(x, y, batch_size=accum_steps * b)`` on the same data order: the
+    optimizer (any Keras optimizer, its moments, weight decay, EMA, clipping
+    and learning-rate schedule) runs once per update and
+    ``optimizer.iterations`` counts updates, not micro-steps.
+
+    The epoch's last group: when the number of micro-batches per epoch is not
+    a multiple of ``accum_steps``, the remaining micro-batches form a shorter
+    group that is applied in the epoch's last train step, each micro-batch
+    weighted by the samples it holds, exactly as plain Keras treats its
+    shorter last batch. Groups never span epochs. With data of unknown length
+    the leftover group is applied when the epoch ends (after validation).
+
+    Where it is *not* identical to the big batch: layers whose forward pass
+    depends on the whole batch (BatchNormalization sees one micro-batch at a
+    time; see ``AccumBatchNormalization``), losses that are not a mean over
+    samples (a loss with ``reduction="sum"`` or a masked loss is weighted by
+    micro-batch size, not by its own normaliser), and float rounding
+    (float32: about 1e-6; float16 compute: about 1e-3).
+
+    State: the accumulation sums are not model weights (``get_weights()`` has
+    the unwrapped model's structure) but are saved by ``save_weights``,
+    ``.keras`` files, ``BackupAndRestore`` and ``tf.train.Checkpoint``, so a
+    run resumed in the middle of a group ends where an uninterrupted one does.
+
+    Args:
+        accum_steps: Integer >= 1, micro-batches per optimizer update. ``1``
+            disables accumulation (plain Keras training).
+        *args, **kwargs: Passed to ``keras.Model``, usually ``inputs=`` and
+            ``outputs=`` of an existing functional model.
+
+    Example:
+
+    >>> import keras
+    >>> from gradient_accumulator import GradientAccumulateModel
+    >>> inputs = keras.Input((4,))
+    >>> outputs = keras.layers.Dense(1)(inputs)
+    >>> model = GradientAccumulateModel(accum_steps=4, inputs=inputs, outputs=outputs)
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> model.accum_steps
+    4
+    """
+
+    def __init__(self, *args, accum_steps: int = 1, **kwargs):
+        self.accum_steps = check_accum_steps(accum_steps)
+        super().__init__(*args, **kwargs)
+        self._accumulator = None
+        if self.built:
+            self._ensure_accumulator()
+
+    def compile(self, optimizer="rmsprop", *args, **kwargs):
+        super().compile(optimizer, *args, **kwargs)
+        check_optimizer_does_not_accumulate(self.optimizer, self.accum_steps)
+        if self.built:
+            self._ensure_accumulator()
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        variables = self.trainable_variables
+        if not self._accumulator.matches(variables):
+            raise RuntimeError(
+                "The model's trainable variables changed after the train "
+                "function was built. Call `compile()` again after changing "
+                "`trainable` flags."
+            )
+        batch_size = _batch_size(x)
+        accumulator = self._accumulator
+        loss_weight, is_update_step = accumulator.begin_micro_step(batch_size)
+        with update_step_scope(is_update_step), tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+            )
+            weighted_loss = self.optimizer.scale_loss(loss * loss_weight)
+        # Keras keeps its loss metric private; no public route updates it.
+        # `loss` is scaled by 1/replicas for the cross-replica sum; undo that.
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        self._loss_tracker.update_state(loss * replicas, sample_weight=batch_size)
+        grads = tape.gradient(weighted_loss, variables)
+        accumulator.step(grads, loss_weight, is_update_step, self.optimizer, variables)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def fit(self, *args, **kwargs):
+        bound = inspect.signature(super().fit).bind(*args, **kwargs)
+        callbacks = bound.arguments.get("callbacks")
+        boundary = _EpochBoundary(self)
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks.append(boundary)
+        else:
+            bound.arguments["callbacks"] = [*(callbacks or []), boundary]
+        return super().fit(*bound.args, **bound.kwargs)
+
+    def make_train_function(self, force=False):
+        # Variables are created here, eagerly and under the strategy scope,
+        # never inside the traced step (that breaks tf.distribute).
+        self._ensure_accumulator()
+        return super().make_train_function(force=force)
+
+    def apply_accumulated_gradients(self):
+        """Applies a non-empty, unfinished group now; otherwise does nothing.
+
+        ``fit`` does this at the end of every epoch. Call it yourself after
+        ``train_on_batch`` loops whose length is not a multiple of
+        ``accum_steps``.
+        """
+        if self._accumulator is None or self.optimizer is None:
+            return
+        if int(self._accumulator.micro_step.numpy()) == 0:
+            return
+        if getattr(self, "_apply_pending_function", None) is None:
+
+            @tf.function
+            def apply_pending():
+                self.distribute_strategy.run(
+                    self._accumulator.apply_pending,
+                    args=(self.optimizer, self.trainable_variables),
+                )
+
+            self._apply_pending_function = apply_pending
+        self._apply_pending_function()
+
+    def get_config(self):
+        config = super().get_config()
+        config["accum_steps"] = self.accum_steps
+        return config
+
+    def save_own_variables(self, store):
+        super().save_own_variables(store)
+        if self._accumulator is not None:
+            for i, variable in enumerate(self._accumulator.state_variables):
+                store[f"{_STATE_PREFIX}{i}"] = variable.numpy()
+
+    def load_own_variables(self, store):
+        own = {k: store[k] for k in store.keys() if not k.startswith(_STATE_PREFIX)}
+        super().load_own_variables(own)
+        saved = [k for k in store.keys() if k.startswith(_STATE_PREFIX)]
+        if not saved:
+            return
+        self._ensure_accumulator()
+        state = self._accumulator.state_variables
+        if len(saved) != len(state):
+            warnings.warn(
+                f"Not restoring the accumulation state of '{self.name}': the "
+                f"file holds {len(saved)} accumulation variables, the model "
+                f"has {len(state)}. Training starts a new accumulation group.",
+                stacklevel=2,
+            )
+            return
+        for i, variable in enumerate(state):
+            variable.assign(store[f"{_STATE_PREFIX}{i}"])
+
+    def _ensure_accumulator(self):
+        variables = self.trainable_variables
+        if self._accumulator is not None and self._accumulator.matches(variables):
+            return
+        with self.distribute_strategy.scope():
+            accumulator = GradientAccumulator(
+                self.accum_steps, variables, name="gradient_accumulator"
+            )
+        # A tf.Module: TF's checkpoint tracking picks it up, Keras's weight
+        # tracking does not, so the sums are saved but are not model weights.
+        self._accumulator = accumulator
+        self._apply_pending_function = None
