@@ -86,16 +86,31 @@ class GradientAccumulator(tf.Module):
     - ``steps_to_boundary``: micro-steps left before a forced group end,
       negative for none. Transient (not saved): the fit loop resets it.
 
+    - ``update_count``: updates made through this accumulator (the argument
+      of a scheduled ``accum_steps``).
+
     Args:
-        accum_steps: Integer >= 1, micro-steps per update.
+        accum_steps: Integer >= 1, micro-steps per update; or a callable
+            mapping the update count (int64 scalar tensor) to an integer
+            tensor >= 1, to grow the effective batch during training.
         variables: The trainable variables whose gradients are accumulated,
             in the order gradients will be passed.
+        gradient_transform: Optional callable ``(grads, variables) -> grads``
+            applied to the group's mean gradient before the optimizer sees it
+            (e.g. adaptive gradient clipping). ``None`` entries stay ``None``.
         name: String, the name scope of the state.
     """
 
-    def __init__(self, accum_steps, variables, name="gradient_accumulator"):
+    def __init__(
+        self,
+        accum_steps,
+        variables,
+        gradient_transform=None,
+        name="gradient_accumulator",
+    ):
         super().__init__(name=name)
         self.accum_steps = accum_steps
+        self._gradient_transform = gradient_transform
         # Identities only: holding the variables would make tf.train.Checkpoint
         # save every model weight a second time under this object.
         self._variable_ids = tuple(id(v) for v in variables)
@@ -126,6 +141,9 @@ class GradientAccumulator(tf.Module):
             self.steps_to_boundary = local(
                 -1, (), "int64", "steps_to_boundary", "only_first_replica"
             )
+            self.update_count = local(
+                "zeros", (), "int64", "update_count", "only_first_replica"
+            )
 
     @property
     def state_variables(self):
@@ -134,6 +152,7 @@ class GradientAccumulator(tf.Module):
             self.micro_step,
             self.weight_sum,
             self.first_batch_size,
+            self.update_count,
             *self.gradient_sums,
         ]
 
@@ -155,7 +174,7 @@ class GradientAccumulator(tf.Module):
         """
         steps_left = self.steps_to_boundary.assign_sub(1)
         is_update_step = ops.logical_or(
-            ops.greater_equal(self.micro_step + 1, self.accum_steps),
+            ops.greater_equal(self.micro_step + 1, self.current_accum_steps()),
             ops.equal(steps_left, 0),
         )
         if batch_size is None:
@@ -166,6 +185,13 @@ class GradientAccumulator(tf.Module):
         )
         self.first_batch_size.assign(first)
         return size / first, is_update_step
+
+    def current_accum_steps(self):
+        """Micro-steps in the current group: ``accum_steps`` or its schedule."""
+        if callable(self.accum_steps):
+            steps = ops.cast(self.accum_steps(self.update_count.value), "int64")
+            return ops.maximum(steps, 1)
+        return self.accum_steps
 
     def step(self, grads, loss_weight, is_update_step, optimizer, variables):
         """Adds ``grads`` to the sums, then updates through ``optimizer`` if due.
@@ -218,7 +244,10 @@ class GradientAccumulator(tf.Module):
                     self.gradient_sums, variables, has_gradient
                 )
             ]
+            if self._gradient_transform is not None:
+                mean_grads = self._gradient_transform(mean_grads, variables)
             optimizer.apply(mean_grads, variables)
+            self.update_count.assign_add(1)
             self.reset()
 
         def decide_in_cross_replica(strategy, is_update_step):
