@@ -116,6 +116,14 @@ class GradientAccumulateModel(keras.Model):
         if self.built:
             self._ensure_accumulator()
 
+    def compile_from_config(self, config):
+        # Keras skips compiling on load when `compile` is overridden; this
+        # override only adds validation, so compile as Keras would.
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         variables = self.trainable_variables
@@ -139,6 +147,8 @@ class GradientAccumulateModel(keras.Model):
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         self._loss_tracker.update_state(loss * replicas, sample_weight=batch_size)
         grads = tape.gradient(weighted_loss, variables)
+        for layer in self._statistics_layers():
+            layer.apply_pending_statistics(is_update_step)
         accumulator.step(grads, loss_weight, is_update_step, self.optimizer, variables)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
@@ -171,12 +181,16 @@ class GradientAccumulateModel(keras.Model):
             return
         if getattr(self, "_apply_pending_function", None) is None:
 
+            def apply_pending_in_replica():
+                for layer in self._statistics_layers():
+                    layer.apply_pending_statistics(None)
+                self._accumulator.apply_pending(
+                    self.optimizer, self.trainable_variables
+                )
+
             @tf.function
             def apply_pending():
-                self.distribute_strategy.run(
-                    self._accumulator.apply_pending,
-                    args=(self.optimizer, self.trainable_variables),
-                )
+                self.distribute_strategy.run(apply_pending_in_replica)
 
             self._apply_pending_function = apply_pending
         self._apply_pending_function()
@@ -210,6 +224,18 @@ class GradientAccumulateModel(keras.Model):
             return
         for i, variable in enumerate(state):
             variable.assign(store[f"{_STATE_PREFIX}{i}"])
+
+    def _statistics_layers(self):
+        """Layers whose statistics follow the update boundary (AccumBatchNormalization).
+
+        ``_flatten_layers`` is Keras's own recursive walk (nested models
+        included); Keras offers no public equivalent.
+        """
+        return [
+            layer
+            for layer in self._flatten_layers(include_self=False)
+            if hasattr(layer, "apply_pending_statistics")
+        ]
 
     def _ensure_accumulator(self):
         variables = self.trainable_variables

@@ -1,0 +1,113 @@
+"""Reference helpers: the same model trained plainly on the big batch, and with accumulation.
+
+Every equivalence test builds the model twice from the same seed (identical
+initial weights, separate layers), trains one with plain Keras at batch
+``accum_steps * micro_batch`` and one with ``GradientAccumulateModel`` at batch
+``micro_batch`` on the same data in the same order, and compares weights.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+
+from gradient_accumulator import GradientAccumulateModel
+
+# float32: both runs compute the same sums in a different order, so weights
+# differ by a few ulps (observed <= 1.2e-7 on weights of magnitude ~1).
+FLOAT32_ATOL = 1e-6
+
+# 76 samples at micro-batch 8: nine full micro-batches and one of 4. With
+# accum_steps=4 the epoch ends with a shorter group (two micro-batches, 12
+# samples), matching the reference's last batch of 76 - 2 * 32 = 12.
+NUM_SAMPLES = 76
+MICRO_BATCH = 8
+
+
+def make_regression_data(num_samples=NUM_SAMPLES, features=5, outputs=1, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(num_samples, features)).astype("float32")
+    w = rng.normal(size=(features, outputs)).astype("float32")
+    y = (np.tanh(x @ w) + 0.1 * rng.normal(size=(num_samples, outputs))).astype(
+        "float32"
+    )
+    return x, y
+
+
+def build_dense(cls=keras.Model, seed=0, features=5, outputs=1, **kwargs):
+    """A small MLP with fresh layers, identical weights for the same ``seed``."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((features,), name="x")
+    hidden = keras.layers.Dense(16, activation="tanh", name="hidden")(inputs)
+    out = keras.layers.Dense(outputs, name="out")(hidden)
+    return cls(inputs=inputs, outputs=out, **kwargs)
+
+
+# Measured max |diff| of every equivalence assertion, printed by conftest's
+# terminal summary so that the figures come from the test run itself.
+MEASURED = {}
+
+
+def max_abs_diff(weights_a, weights_b):
+    assert len(weights_a) == len(weights_b)
+    return max(float(np.max(np.abs(a - b))) for a, b in zip(weights_a, weights_b))
+
+
+def assert_close(weights_a, weights_b, atol):
+    """Asserts max |a - b| < atol over all arrays, and records the figure."""
+    diff = max_abs_diff(weights_a, weights_b)
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    MEASURED[test] = max(diff, MEASURED.get(test, 0.0))
+    assert diff < atol, f"max |diff| = {diff:.3g} >= {atol:.3g}"
+
+
+def train_pair(
+    build,
+    make_optimizer,
+    x,
+    y,
+    accum_steps=4,
+    micro_batch=MICRO_BATCH,
+    epochs=2,
+    compile_kwargs=None,
+    fit_kwargs=None,
+):
+    """Trains the plain big-batch reference and the accumulating model.
+
+    Returns ``(reference, accumulating)``, both trained.
+    """
+    compile_kwargs = {"loss": "mse", **(compile_kwargs or {})}
+    fit_kwargs = {"epochs": epochs, "shuffle": False, "verbose": 0, **(fit_kwargs or {})}
+
+    reference = build(keras.Model)
+    reference.compile(optimizer=make_optimizer(), **compile_kwargs)
+    reference.fit(x, y, batch_size=accum_steps * micro_batch, **fit_kwargs)
+
+    accumulating = build(GradientAccumulateModel, accum_steps=accum_steps)
+    accumulating.compile(optimizer=make_optimizer(), **compile_kwargs)
+    accumulating.fit(x, y, batch_size=micro_batch, **fit_kwargs)
+    return reference, accumulating
+
+
+def run_script(source, timeout=600, env=None):
+    """Runs ``source`` in a fresh Python process; returns its stdout.
+
+    Fresh processes are needed for logical-device setups and strategies, which
+    a process can configure only once.
+    """
+    full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(source)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+    )
+    if result.returncode != 0:
+        raise AssertionError(
+            f"script failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+        )
+    return result.stdout

@@ -1,0 +1,500 @@
+"""GradientAccumulateModel: fit(batch_size=b) with k-step accumulation equals fit(batch_size=k*b)."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gradient_accumulator import GradientAccumulateModel
+from tests.helpers import (
+    FLOAT32_ATOL,
+    MICRO_BATCH,
+    build_dense,
+    assert_close,
+    make_regression_data,
+    max_abs_diff,
+    train_pair,
+)
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
+}
+
+MODES = {
+    "graph": {},
+    "eager": {"run_eagerly": True},
+    "jit": {"jit_compile": True},
+    "steps_per_execution": {"steps_per_execution": 3},
+}
+
+
+@pytest.mark.parametrize("accum_steps", [2, 4], ids=lambda k: f"k{k}")
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS), ids=str)
+def test_equals_big_batch_for_each_optimizer(optimizer, accum_steps):
+    x, y = make_regression_data()
+    reference, accumulating = train_pair(
+        build_dense, OPTIMIZERS[optimizer], x, y, accum_steps=accum_steps
+    )
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
+    # The weights moved: an equivalence of two untrained models proves nothing.
+    assert max_abs_diff(reference.get_weights(), build_dense().get_weights()) > 1e-2
+
+
+@pytest.mark.parametrize("mode", list(MODES), ids=str)
+def test_equals_big_batch_in_every_execution_mode(mode):
+    x, y = make_regression_data()
+    reference, accumulating = train_pair(
+        build_dense, OPTIMIZERS["adam"], x, y, compile_kwargs=MODES[mode]
+    )
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
+
+
+CLIPPING = {
+    "clipnorm": {"clipnorm": 0.05},
+    "global_clipnorm": {"global_clipnorm": 0.05},
+    "clipvalue": {"clipvalue": 0.01},
+}
+
+
+@pytest.mark.parametrize("clipping", list(CLIPPING), ids=str)
+def test_clipping_applies_to_the_accumulated_gradient(clipping):
+    x, y = make_regression_data()
+
+    def make_optimizer():
+        return keras.optimizers.SGD(0.5, **CLIPPING[clipping])
+
+    reference, accumulating = train_pair(build_dense, make_optimizer, x, y)
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
+    # Clipping each micro-batch instead would give a visibly different result.
+    unclipped, _ = train_pair(
+        build_dense, lambda: keras.optimizers.SGD(0.5), x, y, epochs=2
+    )
+    assert max_abs_diff(unclipped.get_weights(), reference.get_weights()) > 1e-3
+
+
+def test_learning_rate_schedule_sees_updates_not_micro_steps():
+    x, y = make_regression_data()
+
+    def make_optimizer():
+        schedule = keras.optimizers.schedules.ExponentialDecay(
+            0.1, decay_steps=1, decay_rate=0.5
+        )
+        return keras.optimizers.SGD(schedule)
+
+    reference, accumulating = train_pair(build_dense, make_optimizer, x, y, epochs=2)
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
+    # 10 micro-batches per epoch in groups of 4, 4, 2: 3 updates per epoch.
+    assert int(accumulating.optimizer.iterations.numpy()) == 6
+    assert int(reference.optimizer.iterations.numpy()) == 6
+
+
+def test_ema_averages_once_per_update():
+    x, y = make_regression_data()
+
+    def make_optimizer():
+        return keras.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.5)
+
+    reference, accumulating = train_pair(build_dense, make_optimizer, x, y)
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
+
+
+def _build_classifier(cls, seed=0, **kwargs):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(
+        12,
+        activation="relu",
+        kernel_regularizer=keras.regularizers.L2(1e-2),
+        activity_regularizer=keras.regularizers.L2(1e-3),
+    )(inputs)
+    outputs = keras.layers.Dense(3, activation="softmax")(hidden)
+    return cls(inputs=inputs, outputs=outputs, **kwargs)
+
+
+def _classification_data(num_samples=76, seed=1):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(num_samples, 6)).astype("float32")
+    y = rng.integers(0, 3, size=(num_samples,))
+    return x, y
+
+
+def test_sample_weight_and_regularizers():
+    x, y = _classification_data()
+    sample_weight = np.random.default_rng(2).uniform(0.1, 3.0, size=len(x))
+    reference, accumulating = train_pair(
+        _build_classifier,
+        OPTIMIZERS["adam"],
+        x,
+        y,
+        compile_kwargs={"loss": "sparse_categorical_crossentropy"},
+        fit_kwargs={"sample_weight": sample_weight},
+    )
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
+
+
+def test_class_weight():
+    x, y = _classification_data()
+    reference, accumulating = train_pair(
+        _build_classifier,
+        OPTIMIZERS["sgd_momentum"],
+        x,
+        y,
+        compile_kwargs={"loss": "sparse_categorical_crossentropy"},
+        fit_kwargs={"class_weight": {0: 0.2, 1: 1.0, 2: 3.0}},
+    )
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
+
+
+class _MeanActivationLoss(keras.layers.Layer):
+    """Adds a per-sample-mean penalty with ``add_loss``."""
+
+    def call(self, inputs):
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(inputs)))
+        return inputs
+
+
+def _build_multi_io(cls, seed=0, **kwargs):
+    keras.utils.set_random_seed(seed)
+    a = keras.Input((4,), name="a")
+    b = keras.Input((3,), name="b")
+    merged = keras.layers.Concatenate()([a, b])
+    hidden = _MeanActivationLoss()(keras.layers.Dense(8, activation="tanh")(merged))
+    first = keras.layers.Dense(1, name="first")(hidden)
+    second = keras.layers.Dense(2, activation="softmax", name="second")(hidden)
+    return cls(inputs={"a": a, "b": b}, outputs={"first": first, "second": second}, **kwargs)
+
+
+def test_multi_input_multi_output_with_loss_weights_and_add_loss():
+    rng = np.random.default_rng(3)
+    x = {
+        "a": rng.normal(size=(76, 4)).astype("float32"),
+        "b": rng.normal(size=(76, 3)).astype("float32"),
+    }
+    y = {
+        "first": rng.normal(size=(76, 1)).astype("float32"),
+        "second": rng.integers(0, 2, size=(76,)),
+    }
+    reference, accumulating = train_pair(
+        _build_multi_io,
+        OPTIMIZERS["rmsprop"],
+        x,
+        y,
+        compile_kwargs={
+            "loss": {"first": "mse", "second": "sparse_categorical_crossentropy"},
+            "loss_weights": {"first": 0.3, "second": 2.0},
+        },
+    )
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
+
+
+@pytest.mark.parametrize(
+    "num_samples, expected_updates",
+    [(64, 2), (76, 3), (72, 3), (8, 1)],
+    ids=["whole_groups", "short_last_microbatch", "short_group", "one_microbatch"],
+)
+def test_last_partial_group_is_applied_weighted_by_its_samples(num_samples, expected_updates):
+    x, y = make_regression_data(num_samples=num_samples)
+    reference, accumulating = train_pair(
+        build_dense, OPTIMIZERS["sgd_momentum"], x, y, epochs=1
+    )
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
+    assert int(accumulating.optimizer.iterations.numpy()) == expected_updates
+    assert int(accumulating._accumulator.micro_step.numpy()) == 0
+
+
+def test_partial_group_with_dataset_of_unknown_length():
+    x, y = make_regression_data()
+
+    def generator():
+        for start in range(0, len(x), MICRO_BATCH):
+            yield x[start : start + MICRO_BATCH], y[start : start + MICRO_BATCH]
+
+    signature = (
+        tf.TensorSpec((None, 5), tf.float32),
+        tf.TensorSpec((None, 1), tf.float32),
+    )
+    dataset = tf.data.Dataset.from_generator(generator, output_signature=signature)
+    assert dataset.cardinality() == tf.data.UNKNOWN_CARDINALITY
+    reference = build_dense()
+    reference.compile(OPTIMIZERS["adam"](), "mse")
+    reference.fit(x, y, batch_size=4 * MICRO_BATCH, epochs=2, shuffle=False, verbose=0)
+    accumulating = build_dense(GradientAccumulateModel, accum_steps=4)
+    accumulating.compile(OPTIMIZERS["adam"](), "mse")
+    accumulating.fit(dataset, epochs=2, verbose=0)
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
+
+
+class _WeightRecorder(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.snapshots = [self.model.get_weights()]
+        self.iterations = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.snapshots.append(self.model.get_weights())
+        self.iterations.append(int(self.model.optimizer.iterations.numpy()))
+
+
+def test_weights_bit_identical_on_non_update_micro_steps():
+    x, y = make_regression_data(num_samples=64)
+    model = build_dense(GradientAccumulateModel, accum_steps=4)
+    model.compile(OPTIMIZERS["adam"](), "mse")
+    recorder = _WeightRecorder()
+    model.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0, callbacks=[recorder])
+    snapshots = recorder.snapshots
+    for step in range(8):
+        before, after = snapshots[step], snapshots[step + 1]
+        updated = any(not np.array_equal(a, b) for a, b in zip(before, after))
+        assert updated == (step % 4 == 3), f"micro-step {step}"
+    assert recorder.iterations == [0, 0, 0, 1, 1, 1, 1, 2]
+
+
+def test_accumulators_are_not_model_weights():
+    model = build_dense(GradientAccumulateModel, accum_steps=4)
+    plain = build_dense()
+    model.compile("adam", "mse")
+    assert [w.shape for w in model.get_weights()] == [w.shape for w in plain.get_weights()]
+    assert len(model.weights) == len(plain.weights)
+    assert len(model.non_trainable_weights) == 0
+
+
+def test_accum_steps_one_is_plain_training():
+    x, y = make_regression_data()
+    reference = build_dense()
+    reference.compile(OPTIMIZERS["adam"](), "mse")
+    reference.fit(x, y, batch_size=MICRO_BATCH, epochs=2, shuffle=False, verbose=0)
+    model = build_dense(GradientAccumulateModel, accum_steps=1)
+    model.compile(OPTIMIZERS["adam"](), "mse")
+    model.fit(x, y, batch_size=MICRO_BATCH, epochs=2, shuffle=False, verbose=0)
+    assert_close(reference.get_weights(), model.get_weights(), FLOAT32_ATOL)
+    assert int(model.optimizer.iterations.numpy()) == 20
+
+
+def test_fit_callbacks_evaluate_predict_and_summary():
+    x, y = make_regression_data()
+    model = build_dense(GradientAccumulateModel, accum_steps=2)
+    model.compile(OPTIMIZERS["adam"](), "mse", metrics=["mae"])
+    history = model.fit(
+        x, y, batch_size=MICRO_BATCH, epochs=2, validation_data=(x, y), verbose=0
+    )
+    assert set(history.history) == {"loss", "mae", "val_loss", "val_mae"}
+    assert history.history["loss"][1] < history.history["loss"][0]
+    before = model.get_weights()
+    model.evaluate(x, y, verbose=0)
+    model.predict(x, verbose=0)
+    assert max_abs_diff(before, model.get_weights()) == 0.0
+    lines = []
+    model.summary(print_fn=lambda line, **_: lines.append(line))
+    assert any("hidden" in line for line in lines)
+
+
+def test_reported_loss_is_the_unweighted_micro_batch_loss():
+    x, y = make_regression_data(num_samples=64)
+    model = build_dense(GradientAccumulateModel, accum_steps=4)
+    model.compile(keras.optimizers.SGD(0.0), "mse")
+    history = model.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0)
+    expected = float(np.mean((model.predict(x, verbose=0) - y) ** 2))
+    assert abs(history.history["loss"][0] - expected) < 1e-5
+
+
+def test_changing_trainable_flags_needs_a_recompile():
+    x, y = make_regression_data()
+    model = build_dense(GradientAccumulateModel, accum_steps=2)
+    model.compile(OPTIMIZERS["adam"](), "mse")
+    model.fit(x, y, batch_size=MICRO_BATCH, verbose=0)
+    model.get_layer("hidden").trainable = False
+    model.compile(OPTIMIZERS["adam"](), "mse")
+    frozen = model.get_layer("hidden").get_weights()
+    model.fit(x, y, batch_size=MICRO_BATCH, verbose=0)
+    assert max_abs_diff(frozen, model.get_layer("hidden").get_weights()) == 0.0
+    assert len(model._accumulator.gradient_sums) == 2
+
+
+# Mixed precision: float16 compute rounds the per-micro-batch and the big-batch
+# gradient sums differently (float16 has an 11-bit mantissa); observed weight
+# differences stay below 2e-4 after several updates.
+FLOAT16_ATOL = 2e-3
+
+
+def test_mixed_float16_equals_big_batch(mixed_float16):
+    x, y = make_regression_data()
+    reference, accumulating = train_pair(build_dense, OPTIMIZERS["adam"], x, y)
+    assert isinstance(accumulating.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert all(v.dtype == "float32" for v in accumulating._accumulator.gradient_sums)
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT16_ATOL)
+    assert float(reference.optimizer.dynamic_scale.numpy()) == float(
+        accumulating.optimizer.dynamic_scale.numpy()
+    )
+
+
+def test_mixed_float16_non_finite_micro_batch_skips_the_update(mixed_float16):
+    x, y = make_regression_data(num_samples=64)
+    x[10, 0] = 1e5  # overflows float16: micro-batch 1 of the first group.
+    recorder = _WeightRecorder()
+    reference = build_dense()
+    reference.compile(OPTIMIZERS["adam"](), "mse")
+    reference.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    accumulating = build_dense(GradientAccumulateModel, accum_steps=4)
+    accumulating.compile(OPTIMIZERS["adam"](), "mse")
+    accumulating.fit(
+        x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0, callbacks=[recorder]
+    )
+    initial = recorder.snapshots[0]
+    # First group: skipped, weights untouched, the scale halved once.
+    assert max_abs_diff(initial, recorder.snapshots[4]) == 0.0
+    assert recorder.iterations[3] == 0
+    # Second group: applied, as the big batch's second step.
+    assert int(accumulating.optimizer.iterations.numpy()) == 1
+    assert float(accumulating.optimizer.dynamic_scale.numpy()) == float(
+        reference.optimizer.dynamic_scale.numpy()
+    )
+    assert float(accumulating.optimizer.dynamic_scale.numpy()) == 2.0**14
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT16_ATOL)
+    # No poisoned accumulator is left behind.
+    for acc in accumulating._accumulator.gradient_sums:
+        assert np.all(np.isfinite(acc.numpy()))
+
+
+def _group_then_interrupt(model, x, y, stop_after):
+    class Interrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == stop_after:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0, callbacks=[Interrupt()])
+
+
+def test_checkpoint_resume_in_the_middle_of_a_group(tmp_path):
+    x, y = make_regression_data(num_samples=64)
+    uninterrupted = build_dense(GradientAccumulateModel, accum_steps=4)
+    uninterrupted.compile(OPTIMIZERS["adam"](), "mse")
+    uninterrupted.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0)
+
+    first = build_dense(GradientAccumulateModel, accum_steps=4)
+    first.compile(OPTIMIZERS["adam"](), "mse")
+    _group_then_interrupt(first, x, y, stop_after=5)  # 6 micro-batches seen.
+    assert int(first._accumulator.micro_step.numpy()) == 2
+    path = tf.train.Checkpoint(model=first, optimizer=first.optimizer).save(
+        str(tmp_path / "ckpt")
+    )
+
+    resumed = build_dense(GradientAccumulateModel, accum_steps=4, seed=7)
+    resumed.compile(OPTIMIZERS["adam"](), "mse")
+    resumed.optimizer.build(resumed.trainable_variables)
+    tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(
+        path
+    ).assert_existing_objects_matched()
+    assert int(resumed._accumulator.micro_step.numpy()) == 2
+    resumed.fit(x[48:], y[48:], batch_size=MICRO_BATCH, shuffle=False, verbose=0)
+    assert_close(uninterrupted.get_weights(), resumed.get_weights(), FLOAT32_ATOL)
+    assert int(resumed.optimizer.iterations.numpy()) == 2
+
+
+def test_save_weights_holds_the_accumulation_state(tmp_path):
+    x, y = make_regression_data(num_samples=64)
+    model = build_dense(GradientAccumulateModel, accum_steps=4)
+    model.compile(OPTIMIZERS["adam"](), "mse")
+    _group_then_interrupt(model, x, y, stop_after=1)
+    path = str(tmp_path / "model.weights.h5")
+    model.save_weights(path)
+    other = build_dense(GradientAccumulateModel, accum_steps=4, seed=3)
+    other.compile(OPTIMIZERS["adam"](), "mse")
+    other.optimizer.build(other.trainable_variables)
+    other.load_weights(path)
+    for a, b in zip(model._accumulator.state_variables, other._accumulator.state_variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert int(other._accumulator.micro_step.numpy()) == 2
+    assert max_abs_diff(model.get_weights(), other.get_weights()) == 0.0
+
+
+def test_backup_and_restore_resumes_to_the_uninterrupted_result(tmp_path):
+    x, y = make_regression_data()
+    uninterrupted = build_dense(GradientAccumulateModel, accum_steps=4)
+    uninterrupted.compile(OPTIMIZERS["adam"](), "mse")
+    uninterrupted.fit(x, y, batch_size=MICRO_BATCH, epochs=3, shuffle=False, verbose=0)
+
+    class InterruptInEpoch(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.epoch == 1 and batch == 5:
+                raise KeyboardInterrupt
+
+    backup = str(tmp_path / "backup")
+    model = build_dense(GradientAccumulateModel, accum_steps=4)
+    model.compile(OPTIMIZERS["adam"](), "mse")
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(
+            x, y, batch_size=MICRO_BATCH, epochs=3, shuffle=False, verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(backup), InterruptInEpoch()],
+        )
+    resumed = build_dense(GradientAccumulateModel, accum_steps=4, seed=5)
+    resumed.compile(OPTIMIZERS["adam"](), "mse")
+    resumed.fit(
+        x, y, batch_size=MICRO_BATCH, epochs=3, shuffle=False, verbose=0,
+        callbacks=[keras.callbacks.BackupAndRestore(backup)],
+    )
+    assert_close(uninterrupted.get_weights(), resumed.get_weights(), FLOAT32_ATOL)
+    assert int(resumed.optimizer.iterations.numpy()) == 9
+
+
+def test_keras_file_round_trip_without_custom_objects(tmp_path):
+    x, y = make_regression_data()
+    model = build_dense(GradientAccumulateModel, accum_steps=3)
+    model.compile(OPTIMIZERS["adamw"](), "mse")
+    model.fit(x, y, batch_size=MICRO_BATCH, verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded, GradientAccumulateModel)
+    assert loaded.accum_steps == 3
+    assert max_abs_diff(model.get_weights(), loaded.get_weights()) == 0.0
+    np.testing.assert_allclose(
+        model.predict(x, verbose=0), loaded.predict(x, verbose=0), atol=0
+    )
+    # Training continues identically (optimizer state and accumulators loaded).
+    model.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0)
+    loaded.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0)
+    assert_close(model.get_weights(), loaded.get_weights(), FLOAT32_ATOL)
+
+
+def test_get_config_has_accum_steps():
+    model = build_dense(GradientAccumulateModel, accum_steps=5)
+    config = model.get_config()
+    assert config["accum_steps"] == 5
+    clone = GradientAccumulateModel.from_config(config)
+    assert clone.accum_steps == 5
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "4", True, None, 4.0])
+def test_invalid_accum_steps_is_refused(bad):
+    with pytest.raises(ValueError, match=rf"`accum_steps` must be an integer >= 1\. Received: accum_steps={bad!r}"):
+        build_dense(GradientAccumulateModel, accum_steps=bad)
+
+
+def test_optimizer_that_accumulates_itself_is_refused():
+    model = build_dense(GradientAccumulateModel, accum_steps=4)
+    optimizer = keras.optimizers.Adam(gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2.*accum_steps=4.*Keep one.*Received: optimizer=Adam"):
+        model.compile(optimizer, "mse")
+
+
+def test_apply_accumulated_gradients_after_train_on_batch():
+    x, y = make_regression_data(num_samples=24)
+    reference = build_dense()
+    reference.compile(keras.optimizers.SGD(0.1), "mse")
+    reference.train_on_batch(x, y)
+    model = build_dense(GradientAccumulateModel, accum_steps=4)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    for start in range(0, 24, MICRO_BATCH):
+        model.train_on_batch(x[start : start + MICRO_BATCH], y[start : start + MICRO_BATCH])
+    assert int(model.optimizer.iterations.numpy()) == 0
+    model.apply_accumulated_gradients()
+    model.apply_accumulated_gradients()  # Nothing pending: a no-op.
+    assert int(model.optimizer.iterations.numpy()) == 1
+    assert_close(reference.get_weights(), model.get_weights(), FLOAT32_ATOL)
+
