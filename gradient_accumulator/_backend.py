@@ -2,10 +2,7 @@
 
 import os
 
-_SUPPORTED = (
-    "gradient_accumulator supports Keras 3 with the TensorFlow backend "
-    "(tensorflow>=2.16)."
-)
+_SUPPORTED = "gradient_accumulator supports Keras 3 with the TensorFlow backend (tensorflow>=2.16)."
 
 
 def check_backend():

@@ -128,22 +128,17 @@ class GradientAccumulator(tf.Module):
 
         with tf.name_scope(name):
             self.gradient_sums = [
-                local("zeros", v.shape, "float32", _sum_name(v), "sum")
-                for v in variables
+                local("zeros", v.shape, "float32", _sum_name(v), "sum") for v in variables
             ]
             self.weight_sum = local("zeros", (), "float32", "weight_sum", "sum")
             self.first_batch_size = local(
                 "ones", (), "float32", "first_batch_size", "only_first_replica"
             )
-            self.micro_step = local(
-                "zeros", (), "int64", "micro_step", "only_first_replica"
-            )
+            self.micro_step = local("zeros", (), "int64", "micro_step", "only_first_replica")
             self.steps_to_boundary = local(
                 -1, (), "int64", "steps_to_boundary", "only_first_replica"
             )
-            self.update_count = local(
-                "zeros", (), "int64", "update_count", "only_first_replica"
-            )
+            self.update_count = local("zeros", (), "int64", "update_count", "only_first_replica")
 
     @property
     def state_variables(self):
@@ -180,9 +175,7 @@ class GradientAccumulator(tf.Module):
         if batch_size is None:
             return ops.ones((), "float32"), is_update_step
         size = ops.cast(batch_size, "float32")
-        first = ops.where(
-            ops.equal(self.micro_step, 0), size, self.first_batch_size
-        )
+        first = ops.where(ops.equal(self.micro_step, 0), size, self.first_batch_size)
         self.first_batch_size.assign(first)
         return size / first, is_update_step
 
@@ -240,9 +233,7 @@ class GradientAccumulator(tf.Module):
         def apply_in_replica():
             mean_grads = [
                 ops.cast(acc / self.weight_sum, var.dtype) if has else None
-                for acc, var, has in zip(
-                    self.gradient_sums, variables, has_gradient
-                )
+                for acc, var, has in zip(self.gradient_sums, variables, has_gradient)
             ]
             if self._gradient_transform is not None:
                 mean_grads = self._gradient_transform(mean_grads, variables)

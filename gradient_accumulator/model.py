@@ -1,4 +1,4 @@
-"""The model wrapper: ``fit(batch_size=b)`` with k-step accumulation equals ``fit(batch_size=k*b)``."""
+"""The model wrapper: `fit(batch_size=b)` with k-step accumulation equals `fit(batch_size=k*b)`."""
 
 import inspect
 import warnings
@@ -37,9 +37,7 @@ class _EpochBoundary(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         steps = self.params.get("steps")
-        self._owner._accumulator.steps_to_boundary.assign(
-            -1 if steps is None else int(steps)
-        )
+        self._owner._accumulator.steps_to_boundary.assign(-1 if steps is None else int(steps))
 
     def on_epoch_end(self, epoch, logs=None):
         self._owner.apply_accumulated_gradients()
@@ -88,8 +86,9 @@ class GradientAccumulateModel(keras.Model):
     Args:
         accum_steps: Integer >= 1, micro-batches per optimizer update. ``1``
             disables accumulation (plain Keras training).
-        *args, **kwargs: Passed to ``keras.Model``, usually ``inputs=`` and
-            ``outputs=`` of an existing functional model.
+        **kwargs: Passed to ``keras.Model`` (with any positional
+            arguments), usually ``inputs=`` and ``outputs=`` of an existing
+            functional model.
 
     Example:
 
@@ -184,9 +183,7 @@ class GradientAccumulateModel(keras.Model):
             def apply_pending_in_replica():
                 for layer in self._statistics_layers():
                     layer.apply_pending_statistics(None)
-                self._accumulator.apply_pending(
-                    self.optimizer, self.trainable_variables
-                )
+                self._accumulator.apply_pending(self.optimizer, self.trainable_variables)
 
             @tf.function
             def apply_pending():

@@ -15,8 +15,7 @@ def check_accum_steps(accum_steps):
         or accum_steps < 1
     ):
         raise ValueError(
-            "`accum_steps` must be an integer >= 1. "
-            f"Received: accum_steps={accum_steps!r}"
+            f"`accum_steps` must be an integer >= 1. Received: accum_steps={accum_steps!r}"
         )
     return int(accum_steps)
 

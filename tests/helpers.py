@@ -31,9 +31,7 @@ def make_regression_data(num_samples=NUM_SAMPLES, features=5, outputs=1, seed=0)
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(num_samples, features)).astype("float32")
     w = rng.normal(size=(features, outputs)).astype("float32")
-    y = (np.tanh(x @ w) + 0.1 * rng.normal(size=(num_samples, outputs))).astype(
-        "float32"
-    )
+    y = (np.tanh(x @ w) + 0.1 * rng.normal(size=(num_samples, outputs))).astype("float32")
     return x, y
 
 

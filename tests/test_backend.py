@@ -33,5 +33,7 @@ def test_unsupported_backend_raises_import_error(env, expected):
     import re
 
     stderr = _import_error(env)
-    assert "ImportError: gradient_accumulator supports Keras 3 with the TensorFlow backend" in stderr
+    assert (
+        "ImportError: gradient_accumulator supports Keras 3 with the TensorFlow backend" in stderr
+    )
     assert re.search(expected, stderr), stderr

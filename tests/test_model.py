@@ -1,4 +1,4 @@
-"""GradientAccumulateModel: fit(batch_size=b) with k-step accumulation equals fit(batch_size=k*b)."""
+"""GradientAccumulateModel: fit(batch_size=b), k-step accumulation == fit(batch_size=k*b)."""
 
 import keras
 import numpy as np
@@ -9,8 +9,8 @@ from gradient_accumulator import GradientAccumulateModel
 from tests.helpers import (
     FLOAT32_ATOL,
     MICRO_BATCH,
-    build_dense,
     assert_close,
+    build_dense,
     make_regression_data,
     max_abs_diff,
     train_pair,
@@ -69,9 +69,7 @@ def test_clipping_applies_to_the_accumulated_gradient(clipping):
     reference, accumulating = train_pair(build_dense, make_optimizer, x, y)
     assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
     # Clipping each micro-batch instead would give a visibly different result.
-    unclipped, _ = train_pair(
-        build_dense, lambda: keras.optimizers.SGD(0.5), x, y, epochs=2
-    )
+    unclipped, _ = train_pair(build_dense, lambda: keras.optimizers.SGD(0.5), x, y, epochs=2)
     assert max_abs_diff(unclipped.get_weights(), reference.get_weights()) > 1e-3
 
 
@@ -79,9 +77,7 @@ def test_learning_rate_schedule_sees_updates_not_micro_steps():
     x, y = make_regression_data()
 
     def make_optimizer():
-        schedule = keras.optimizers.schedules.ExponentialDecay(
-            0.1, decay_steps=1, decay_rate=0.5
-        )
+        schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
         return keras.optimizers.SGD(schedule)
 
     reference, accumulating = train_pair(build_dense, make_optimizer, x, y, epochs=2)
@@ -197,9 +193,7 @@ def test_multi_input_multi_output_with_loss_weights_and_add_loss():
 )
 def test_last_partial_group_is_applied_weighted_by_its_samples(num_samples, expected_updates):
     x, y = make_regression_data(num_samples=num_samples)
-    reference, accumulating = train_pair(
-        build_dense, OPTIMIZERS["sgd_momentum"], x, y, epochs=1
-    )
+    reference, accumulating = train_pair(build_dense, OPTIMIZERS["sgd_momentum"], x, y, epochs=1)
     assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
     assert int(accumulating.optimizer.iterations.numpy()) == expected_updates
     assert int(accumulating._accumulator.micro_step.numpy()) == 0
@@ -276,9 +270,7 @@ def test_fit_callbacks_evaluate_predict_and_summary():
     x, y = make_regression_data()
     model = build_dense(GradientAccumulateModel, accum_steps=2)
     model.compile(OPTIMIZERS["adam"](), "mse", metrics=["mae"])
-    history = model.fit(
-        x, y, batch_size=MICRO_BATCH, epochs=2, validation_data=(x, y), verbose=0
-    )
+    history = model.fit(x, y, batch_size=MICRO_BATCH, epochs=2, validation_data=(x, y), verbose=0)
     assert set(history.history) == {"loss", "mae", "val_loss", "val_mae"}
     assert history.history["loss"][1] < history.history["loss"][0]
     before = model.get_weights()
@@ -338,9 +330,7 @@ def test_mixed_float16_non_finite_micro_batch_skips_the_update(mixed_float16):
     reference.fit(x, y, batch_size=32, shuffle=False, verbose=0)
     accumulating = build_dense(GradientAccumulateModel, accum_steps=4)
     accumulating.compile(OPTIMIZERS["adam"](), "mse")
-    accumulating.fit(
-        x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0, callbacks=[recorder]
-    )
+    accumulating.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0, callbacks=[recorder])
     initial = recorder.snapshots[0]
     # First group: skipped, weights untouched, the scale halved once.
     assert max_abs_diff(initial, recorder.snapshots[4]) == 0.0
@@ -377,9 +367,7 @@ def test_checkpoint_resume_in_the_middle_of_a_group(tmp_path):
     first.compile(OPTIMIZERS["adam"](), "mse")
     _group_then_interrupt(first, x, y, stop_after=5)  # 6 micro-batches seen.
     assert int(first._accumulator.micro_step.numpy()) == 2
-    path = tf.train.Checkpoint(model=first, optimizer=first.optimizer).save(
-        str(tmp_path / "ckpt")
-    )
+    path = tf.train.Checkpoint(model=first, optimizer=first.optimizer).save(str(tmp_path / "ckpt"))
 
     resumed = build_dense(GradientAccumulateModel, accum_steps=4, seed=7)
     resumed.compile(OPTIMIZERS["adam"](), "mse")
@@ -429,13 +417,23 @@ def test_backup_and_restore_resumes_to_the_uninterrupted_result(tmp_path):
     model.compile(OPTIMIZERS["adam"](), "mse")
     with pytest.raises(KeyboardInterrupt):
         model.fit(
-            x, y, batch_size=MICRO_BATCH, epochs=3, shuffle=False, verbose=0,
+            x,
+            y,
+            batch_size=MICRO_BATCH,
+            epochs=3,
+            shuffle=False,
+            verbose=0,
             callbacks=[keras.callbacks.BackupAndRestore(backup), InterruptInEpoch()],
         )
     resumed = build_dense(GradientAccumulateModel, accum_steps=4, seed=5)
     resumed.compile(OPTIMIZERS["adam"](), "mse")
     resumed.fit(
-        x, y, batch_size=MICRO_BATCH, epochs=3, shuffle=False, verbose=0,
+        x,
+        y,
+        batch_size=MICRO_BATCH,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
         callbacks=[keras.callbacks.BackupAndRestore(backup)],
     )
     assert_close(uninterrupted.get_weights(), resumed.get_weights(), FLOAT32_ATOL)
@@ -453,9 +451,7 @@ def test_keras_file_round_trip_without_custom_objects(tmp_path):
     assert isinstance(loaded, GradientAccumulateModel)
     assert loaded.accum_steps == 3
     assert max_abs_diff(model.get_weights(), loaded.get_weights()) == 0.0
-    np.testing.assert_allclose(
-        model.predict(x, verbose=0), loaded.predict(x, verbose=0), atol=0
-    )
+    np.testing.assert_allclose(model.predict(x, verbose=0), loaded.predict(x, verbose=0), atol=0)
     # Training continues identically (optimizer state and accumulators loaded).
     model.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0)
     loaded.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0)
@@ -472,14 +468,19 @@ def test_get_config_has_accum_steps():
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, "4", True, None, 4.0])
 def test_invalid_accum_steps_is_refused(bad):
-    with pytest.raises(ValueError, match=rf"`accum_steps` must be an integer >= 1\. Received: accum_steps={bad!r}"):
+    with pytest.raises(
+        ValueError, match=rf"`accum_steps` must be an integer >= 1\. Received: accum_steps={bad!r}"
+    ):
         build_dense(GradientAccumulateModel, accum_steps=bad)
 
 
 def test_optimizer_that_accumulates_itself_is_refused():
     model = build_dense(GradientAccumulateModel, accum_steps=4)
     optimizer = keras.optimizers.Adam(gradient_accumulation_steps=2)
-    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2.*accum_steps=4.*Keep one.*Received: optimizer=Adam"):
+    with pytest.raises(
+        ValueError,
+        match=r"gradient_accumulation_steps=2.*accum_steps=4.*Keep one.*Received: optimizer=Adam",
+    ):
         model.compile(optimizer, "mse")
 
 
@@ -497,4 +498,3 @@ def test_apply_accumulated_gradients_after_train_on_batch():
     model.apply_accumulated_gradients()  # Nothing pending: a no-op.
     assert int(model.optimizer.iterations.numpy()) == 1
     assert_close(reference.get_weights(), model.get_weights(), FLOAT32_ATOL)
-
