@@ -24,6 +24,8 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from gradient_accumulator.distribute import gradients_already_reduced
+
 _context = threading.local()
 
 
@@ -208,7 +210,10 @@ class GradientAccumulator(tf.Module):
                 )
             else:
                 acc.assign_add(ops.cast(grad, "float32"))
-        self.weight_sum.assign_add(loss_weight)
+        # Each replica adds its share, so that the all-reduced sum is the
+        # group's total weight whatever the number of replicas.
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        self.weight_sum.assign_add(loss_weight / replicas)
         self.micro_step.assign_add(1)
         # Trace-time structure, not state: which variables get a gradient at
         # all. Replayed by `apply_pending`, which has no gradients to look at.
@@ -231,9 +236,16 @@ class GradientAccumulator(tf.Module):
         has_gradient = getattr(self, "_has_gradient", [True] * len(variables))
 
         def apply_in_replica():
+            # The update's one cross-replica reduction: every gradient sum and
+            # the weight sum, batched into a single all-reduce.
+            sums = [acc.value for acc, has in zip(self.gradient_sums, has_gradient) if has]
+            *sums, weight = tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, [*sums, self.weight_sum.value]
+            )
+            sums = iter(sums)
             mean_grads = [
-                ops.cast(acc / self.weight_sum, var.dtype) if has else None
-                for acc, var, has in zip(self.gradient_sums, variables, has_gradient)
+                ops.cast(next(sums) / weight, var.dtype) if has else None
+                for var, has in zip(variables, has_gradient)
             ]
             if self._gradient_transform is not None:
                 mean_grads = self._gradient_transform(mean_grads, variables)
@@ -243,11 +255,12 @@ class GradientAccumulator(tf.Module):
 
         def decide_in_cross_replica(strategy, is_update_step):
             # The conditional lives here, in cross-replica context, so that the
-            # optimizer's own merge_call/all-reduce is legal inside it.
+            # optimizer's own merge_call is legal inside it.
             decision = strategy.experimental_local_results(is_update_step)[0]
 
             def update():
-                strategy.extended.call_for_each_replica(apply_in_replica)
+                with gradients_already_reduced(optimizer):
+                    strategy.extended.call_for_each_replica(apply_in_replica)
 
             tf.cond(decision, update, lambda: None)
 
