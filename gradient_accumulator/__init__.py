@@ -5,6 +5,15 @@ from gradient_accumulator._backend import check_backend
 check_backend()
 
 from gradient_accumulator._version import __version__  # noqa: E402
+from gradient_accumulator.agc import adaptive_clip_gradients  # noqa: E402
+from gradient_accumulator.layers import AccumBatchNormalization  # noqa: E402
 from gradient_accumulator.model import GradientAccumulateModel  # noqa: E402
+from gradient_accumulator.optimizer import GradientAccumulateOptimizer  # noqa: E402
 
-__all__ = ["GradientAccumulateModel", "__version__"]
+__all__ = [
+    "AccumBatchNormalization",
+    "GradientAccumulateModel",
+    "GradientAccumulateOptimizer",
+    "adaptive_clip_gradients",
+    "__version__",
+]

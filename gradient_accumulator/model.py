@@ -7,10 +7,13 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from gradient_accumulator.agc import adaptive_clip_gradients
 from gradient_accumulator.engine import GradientAccumulator, update_step_scope
 from gradient_accumulator.validation import (
     check_accum_steps,
+    check_bool,
     check_optimizer_does_not_accumulate,
+    check_positive_float,
 )
 
 _STATE_PREFIX = "accumulator_"
@@ -86,6 +89,17 @@ class GradientAccumulateModel(keras.Model):
     Args:
         accum_steps: Integer >= 1, micro-batches per optimizer update. ``1``
             disables accumulation (plain Keras training).
+        use_agc: Boolean. If ``True``, adaptive gradient clipping
+            (:func:`gradient_accumulator.adaptive_clip_gradients`, Brock et
+            al. 2021) is applied to the accumulated mean gradient at each
+            update, before the optimizer (and its own clipping). Defaults to
+            ``False``.
+        clip_factor: Float > 0, AGC's largest ratio of a unit's gradient norm
+            to its weight norm. Only used if ``use_agc=True``. Defaults to
+            ``0.01``.
+        eps: Float > 0, AGC's floor on weight norms, so that zero-initialised
+            weights can move. Only used if ``use_agc=True``. Defaults to
+            ``1e-3``.
         **kwargs: Passed to ``keras.Model`` (with any positional
             arguments), usually ``inputs=`` and ``outputs=`` of an existing
             functional model.
@@ -102,8 +116,19 @@ class GradientAccumulateModel(keras.Model):
     4
     """
 
-    def __init__(self, *args, accum_steps: int = 1, **kwargs):
+    def __init__(
+        self,
+        *args,
+        accum_steps: int = 1,
+        use_agc: bool = False,
+        clip_factor: float = 0.01,
+        eps: float = 1e-3,
+        **kwargs,
+    ):
         self.accum_steps = check_accum_steps(accum_steps)
+        self.use_agc = check_bool("use_agc", use_agc)
+        self.clip_factor = check_positive_float("clip_factor", clip_factor)
+        self.eps = check_positive_float("eps", eps)
         super().__init__(*args, **kwargs)
         self._accumulator = None
         if self.built:
@@ -194,7 +219,12 @@ class GradientAccumulateModel(keras.Model):
 
     def get_config(self):
         config = super().get_config()
-        config["accum_steps"] = self.accum_steps
+        config.update(
+            accum_steps=self.accum_steps,
+            use_agc=self.use_agc,
+            clip_factor=self.clip_factor,
+            eps=self.eps,
+        )
         return config
 
     def save_own_variables(self, store):
@@ -222,6 +252,9 @@ class GradientAccumulateModel(keras.Model):
         for i, variable in enumerate(state):
             variable.assign(store[f"{_STATE_PREFIX}{i}"])
 
+    def _clip_adaptively(self, grads, variables):
+        return adaptive_clip_gradients(grads, variables, self.clip_factor, self.eps)
+
     def _statistics_layers(self):
         """Layers whose statistics follow the update boundary (AccumBatchNormalization).
 
@@ -240,7 +273,10 @@ class GradientAccumulateModel(keras.Model):
             return
         with self.distribute_strategy.scope():
             accumulator = GradientAccumulator(
-                self.accum_steps, variables, name="gradient_accumulator"
+                self.accum_steps,
+                variables,
+                gradient_transform=self._clip_adaptively if self.use_agc else None,
+                name="gradient_accumulator",
             )
         # A tf.Module: TF's checkpoint tracking picks it up, Keras's weight
         # tracking does not, so the sums are saved but are not model weights.

@@ -90,6 +90,28 @@ def train_pair(
     return reference, accumulating
 
 
+def numpy_agc(grad, weight, clip_factor, eps):
+    """Adaptive gradient clipping (Brock et al. 2021), unit by unit, in float64.
+
+    A unit is one index of the last (output) axis; scalars and vectors are one
+    unit. Each unit's gradient is scaled down to at most
+    ``clip_factor * max(||weight unit||, eps)``.
+    """
+    grad = np.asarray(grad, "float64")
+    weight = np.asarray(weight, "float64")
+    if weight.ndim <= 1:
+        units = [(Ellipsis,)]  # one unit: the whole tensor
+    else:
+        units = [(Ellipsis, u) for u in range(weight.shape[-1])]
+    out = grad.copy()
+    for unit in units:
+        max_norm = clip_factor * max(np.linalg.norm(weight[unit]), eps)
+        grad_norm = np.linalg.norm(grad[unit])
+        if grad_norm > max_norm:
+            out[unit] = grad[unit] * (max_norm / grad_norm)
+    return out
+
+
 def run_script(source, timeout=600, env=None):
     """Runs ``source`` in a fresh Python process; returns its stdout.
 

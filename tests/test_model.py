@@ -13,6 +13,7 @@ from tests.helpers import (
     build_dense,
     make_regression_data,
     max_abs_diff,
+    numpy_agc,
     train_pair,
 )
 
@@ -71,6 +72,45 @@ def test_clipping_applies_to_the_accumulated_gradient(clipping):
     # Clipping each micro-batch instead would give a visibly different result.
     unclipped, _ = train_pair(build_dense, lambda: keras.optimizers.SGD(0.5), x, y, epochs=2)
     assert max_abs_diff(unclipped.get_weights(), reference.get_weights()) > 1e-3
+
+
+def test_adaptive_gradient_clipping_applies_to_the_accumulated_gradient():
+    x, y = make_regression_data(num_samples=64)
+    # Reference: one step per big batch, clipped by the numpy formula.
+    reference = build_dense()
+    optimizer = keras.optimizers.SGD(0.5)
+    for start in range(0, 64, 32):
+        with tf.GradientTape() as tape:
+            prediction = reference(x[start : start + 32])
+            loss = keras.ops.mean(keras.ops.square(prediction - y[start : start + 32]))
+        weights = reference.trainable_variables
+        grads = tape.gradient(loss, weights)
+        clipped = [
+            numpy_agc(g.numpy(), w.numpy(), 0.02, 1e-3).astype("float32")
+            for g, w in zip(grads, weights)
+        ]
+        # Clipping must bite, or this test would not tell the orders apart.
+        assert max(np.abs(c - g.numpy()).max() for c, g in zip(clipped, grads)) > 1e-3
+        optimizer.apply(clipped, weights)
+    model = build_dense(GradientAccumulateModel, accum_steps=4, use_agc=True, clip_factor=0.02)
+    model.compile(keras.optimizers.SGD(0.5), "mse")
+    model.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0)
+    assert_close(reference.get_weights(), model.get_weights(), FLOAT32_ATOL)
+    assert model.get_config()["use_agc"] is True
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"use_agc": 1}, r"`use_agc` must be a boolean. Received: use_agc=1"),
+        ({"clip_factor": 0}, r"`clip_factor` must be a float > 0. Received: clip_factor=0"),
+        ({"eps": -1e-3}, r"`eps` must be a float > 0. Received: eps=-0.001"),
+    ],
+    ids=["use_agc", "clip_factor", "eps"],
+)
+def test_invalid_agc_arguments_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        build_dense(GradientAccumulateModel, accum_steps=2, **kwargs)
 
 
 def test_learning_rate_schedule_sees_updates_not_micro_steps():
@@ -482,6 +522,14 @@ def test_optimizer_that_accumulates_itself_is_refused():
         match=r"gradient_accumulation_steps=2.*accum_steps=4.*Keep one.*Received: optimizer=Adam",
     ):
         model.compile(optimizer, "mse")
+
+
+def test_optimizer_wrapper_inside_the_model_is_refused():
+    from gradient_accumulator import GradientAccumulateOptimizer
+
+    model = build_dense(GradientAccumulateModel, accum_steps=4)
+    with pytest.raises(ValueError, match=r"accum_steps=2\).*Keep one.*inner_optimizer"):
+        model.compile(GradientAccumulateOptimizer("adam", accum_steps=2), "mse")
 
 
 def test_apply_accumulated_gradients_after_train_on_batch():

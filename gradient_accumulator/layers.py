@@ -1,0 +1,467 @@
+"""The accumulation-aware BatchNormalization: moving statistics of the whole accumulated batch."""
+
+import numbers
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import ops
+
+from gradient_accumulator._moments import (
+    batch_moments,
+    merge_moments,
+    merge_moments_along,
+    variance_from_moments,
+)
+from gradient_accumulator.engine import current_update_step
+from gradient_accumulator.validation import check_accum_steps
+
+# Name of every variable this layer adds to Keras BatchNormalization's, in
+# creation (and therefore `weights`) order.
+_ACCUMULATION_VARIABLES = (
+    "pending_count",
+    "pending_shift",
+    "pending_mean_offset",
+    "pending_m2",
+    "micro_step",
+)
+
+
+def _check_axis_type(axis):
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+        raise ValueError(
+            f"`axis` must be an integer (the channel axis; one axis only). Received: axis={axis!r}"
+        )
+    return int(axis)
+
+
+@keras.saving.register_keras_serializable(package="gradient_accumulator")
+class AccumBatchNormalization(keras.layers.BatchNormalization):
+    """BatchNormalization whose moving statistics follow the accumulated batch.
+
+    A drop-in for ``keras.layers.BatchNormalization`` (and a subclass of it,
+    so ``isinstance(layer, keras.layers.BatchNormalization)`` holds) for
+    training with gradient accumulation: the moving mean and variance are
+    updated **once per update**, with the mean and biased variance of the
+    whole accumulated batch ``B = concat(micro_batch_1, ..., micro_batch_n)``,
+    exactly as Keras BatchNormalization updates them after one training step
+    on ``B``::
+
+        moving_mean     = momentum * moving_mean     + (1 - momentum) * mean(B)
+        moving_variance = momentum * moving_variance + (1 - momentum) * var(B)
+
+    ``var(B)`` includes the spread *between* micro-batch means and weights
+    every micro-batch by its size, so micro-batches of different means or
+    sizes give the statistics of their union (the mean of per-micro-batch
+    variances would not).
+
+    **Forward pass.** In training each micro-batch is normalized with its own
+    mean and variance: the forward pass cannot see the other micro-batches of
+    the group, so outputs (and hence gradients) are those of a
+    BatchNormalization on a batch of the micro-batch size. Only the moving
+    statistics, used at inference, are those of the big batch. In inference
+    (``training=False``, or ``trainable=False``, which as in Keras means
+    inference mode) the layer normalizes with the moving statistics and
+    changes no state.
+
+    **How statistics accumulate.** Each training call summarises its
+    micro-batch per channel by ``(count, mean, m2)`` (``m2``: sum of squared
+    deviations from the micro-batch mean, two passes) and merges it into the
+    pending statistics with Chan's parallel formula, in float32 whatever the
+    input dtype. The mean is kept as a float32 shift plus an offset of size
+    ``O(std)``, so the variance of data whose mean is large compared to its
+    spread stays accurate to about ``1e-6`` (where ``E[x^2] - E[x]^2`` fails;
+    see ``gradient_accumulator._moments``). With masks only unmasked entries
+    count.
+
+    Who decides when the pending statistics move into the moving statistics:
+
+    - Used on its own (custom loop, plain ``keras.Model``): the layer counts
+      its training calls in ``micro_step`` and applies the pending statistics
+      in the call that completes ``accum_steps`` of them. A layer called
+      several times per step counts every call.
+    - Inside ``GradientAccumulateModel`` (while the model traces its train
+      step, ``engine.current_update_step()`` is not ``None``): training calls
+      only accumulate; the model calls :meth:`apply_pending_statistics` with
+      its own ``is_update_step`` after the forward pass, so every
+      ``AccumBatchNormalization`` updates on the model's update steps, and a
+      layer called several times per step pools all its calls of the group.
+      The model's ``accum_steps`` then decides, not this layer's (which only
+      has to be ``> 1`` to enable the pending state).
+
+    **State.** ``build()`` creates Keras BatchNormalization's variables
+    (``gamma``, ``beta``, ``moving_mean``, ``moving_variance``, first in
+    ``weights``, in Keras's order) and, when ``accum_steps > 1``, five more
+    non-trainable variables (channel shape ``(C,)`` unless noted), saved in
+    checkpoints and ``.keras`` files so training resumes inside a group.
+    With ``n_i``, ``mean_i``, ``m2_i`` the count, mean and sum of squared
+    deviations of micro-batch ``i``, each training call updates:
+
+    - ``pending_count`` (float32): samples merged in the current group,
+      ``count += n_i``.
+    - ``pending_shift`` (float32): origin of the group's mean, set to the
+      float32 ``mean_i`` of the group's first (non-empty) micro-batch.
+    - ``pending_mean_offset`` (float32): the group's mean minus
+      ``pending_shift``, ``offset += (d_i - offset) * n_i / count`` with
+      ``d_i = mean_i - pending_shift``.
+    - ``pending_m2`` (float32): the group's sum of squared deviations,
+      ``m2 += m2_i + (d_i - offset) ** 2 * (count - n_i) * n_i / count``
+      (``offset`` before its update).
+    - ``micro_step`` (int64 scalar): training calls in the current group
+      when used on its own (unused inside ``GradientAccumulateModel``).
+
+    Applying the pending statistics (on channels with ``pending_count > 0``)
+    uses ``mean(B) = pending_shift + pending_mean_offset`` and ``var(B) =
+    pending_m2 / pending_count``, then resets all five to 0. A group in which
+    a channel saw no unmasked sample leaves that channel's moving statistics
+    unchanged.
+
+    ``set_weights`` takes either all weights or only the Keras
+    BatchNormalization ones (as returned by a Keras BN layer's
+    ``get_weights()``); the latter empties the accumulation state, so
+    ``accum_bn.set_weights(keras_bn.get_weights())`` converts a layer
+    losslessly. (Weight files are not interchangeable: Keras names a layer's
+    variables in ``.keras``/``.weights.h5`` files after its class.)
+
+    With ``accum_steps=1`` the layer *is* Keras BatchNormalization: no extra
+    variables, moving statistics updated on every training call (also inside
+    ``GradientAccumulateModel``), every argument including ``renorm``.
+
+    Args:
+        accum_steps: Integer >= 1, micro-batches (training calls, when used
+            on its own) whose statistics make one update of the moving
+            statistics. Default ``1``: plain Keras BatchNormalization.
+        axis: Integer, the channel axis (any axis of the input, negative
+            counts from the end; ``1`` for ``channels_first`` images).
+            Default ``-1``.
+        momentum: Float in ``[0, 1]``, momentum of the moving averages, applied
+            once per update. Default ``0.99``.
+        epsilon: Float > 0 added to the variance before dividing. Default
+            ``1e-3``.
+        center: Boolean, whether to add the learned offset ``beta``. Default
+            ``True``.
+        scale: Boolean, whether to multiply by the learned ``gamma``. Default
+            ``True``.
+        beta_initializer: Initializer for ``beta``. Default ``"zeros"``.
+        gamma_initializer: Initializer for ``gamma``. Default ``"ones"``.
+        moving_mean_initializer: Initializer for ``moving_mean``. Default
+            ``"zeros"``.
+        moving_variance_initializer: Initializer for ``moving_variance``.
+            Default ``"ones"``.
+        beta_regularizer: Optional regularizer for ``beta``. Default ``None``.
+        gamma_regularizer: Optional regularizer for ``gamma``. Default
+            ``None``.
+        beta_constraint: Optional constraint for ``beta``. Default ``None``.
+        gamma_constraint: Optional constraint for ``gamma``. Default ``None``.
+        renorm: Boolean, Batch Renormalization as in Keras. Only with
+            ``accum_steps=1`` (its per-call corrections cannot wait for the
+            group). Default ``False``.
+        renorm_clipping: Optional dict with keys ``"rmax"``, ``"rmin"``,
+            ``"dmax"`` (only with ``renorm=True``), as in Keras.
+        renorm_momentum: Float, momentum of the renorm statistics, as in
+            Keras. Default ``0.99``.
+        synchronized: Boolean. ``True``: under a ``tf.distribute`` strategy
+            with several replicas, each training call uses the statistics of
+            the global micro-batch (all replicas), gathered in one collective
+            of the per-replica ``(count, mean, m2)`` and merged with Chan's
+            formula; without a strategy it changes nothing (as in Keras).
+            ``False``: each replica normalizes with, and accumulates, its own
+            shard, and (as in Keras) each replica's copy of the statistics
+            follows its own shard. Default ``False``.
+        **kwargs: Base layer keyword arguments (``name``, ``dtype``,
+            ``trainable``...).
+
+    Call arguments:
+        inputs: Tensor of any rank >= 1 and any float dtype; statistics are
+            computed in float32, the output has the layer's compute dtype.
+        training: Python boolean, training mode (batch statistics, state
+            updates) or inference mode (moving statistics, no state change).
+        mask: Optional tensor with one dimension less than ``inputs``
+            (broadcast along the last axis of ``inputs``); entries where it is
+            false are left out of the statistics.
+
+    Returns:
+        The normalized tensor, same shape as ``inputs``.
+
+    Example:
+
+    >>> import numpy as np
+    >>> from gradient_accumulator.layers import AccumBatchNormalization
+    >>> layer = AccumBatchNormalization(accum_steps=2, momentum=0.0)
+    >>> x = np.random.default_rng(0).normal(5.0, 2.0, (8, 3)).astype("float32")
+    >>> _ = layer(x[:3], training=True)  # first micro-batch: accumulated only
+    >>> int(layer.micro_step.numpy()), layer.pending_count.numpy().tolist()
+    (1, [3.0, 3.0, 3.0])
+    >>> _ = layer(x[3:], training=True)  # second: update with all 8 rows
+    >>> int(layer.micro_step.numpy()), layer.pending_count.numpy().tolist()
+    (0, [0.0, 0.0, 0.0])
+    >>> bool(np.allclose(layer.moving_variance.numpy(), x.var(axis=0), rtol=1e-5))
+    True
+    >>> [w.name for w in layer.weights]  # doctest: +NORMALIZE_WHITESPACE
+    ['gamma', 'beta', 'moving_mean', 'moving_variance', 'pending_count',
+     'pending_shift', 'pending_mean_offset', 'pending_m2', 'micro_step']
+    """
+
+    def __init__(
+        self,
+        accum_steps: int = 1,
+        axis: int = -1,
+        momentum: float = 0.99,
+        epsilon: float = 1e-3,
+        center: bool = True,
+        scale: bool = True,
+        beta_initializer="zeros",
+        gamma_initializer="ones",
+        moving_mean_initializer="zeros",
+        moving_variance_initializer="ones",
+        beta_regularizer=None,
+        gamma_regularizer=None,
+        beta_constraint=None,
+        gamma_constraint=None,
+        renorm: bool = False,
+        renorm_clipping: dict | None = None,
+        renorm_momentum: float = 0.99,
+        synchronized: bool = False,
+        **kwargs,
+    ):
+        accum_steps = check_accum_steps(accum_steps)
+        axis = _check_axis_type(axis)
+        if renorm and accum_steps > 1:
+            raise ValueError(
+                "`renorm=True` cannot be combined with `accum_steps > 1`: "
+                "batch renormalization corrects every micro-batch with "
+                "statistics updated on every call, which cannot wait for the "
+                "accumulated batch. Use `renorm=False`, or `accum_steps=1` "
+                "for plain Keras behaviour. "
+                f"Received: renorm={renorm!r}, accum_steps={accum_steps}"
+            )
+        super().__init__(
+            axis=axis,
+            momentum=momentum,
+            epsilon=epsilon,
+            center=center,
+            scale=scale,
+            beta_initializer=beta_initializer,
+            gamma_initializer=gamma_initializer,
+            moving_mean_initializer=moving_mean_initializer,
+            moving_variance_initializer=moving_variance_initializer,
+            beta_regularizer=beta_regularizer,
+            gamma_regularizer=gamma_regularizer,
+            beta_constraint=beta_constraint,
+            gamma_constraint=gamma_constraint,
+            renorm=renorm,
+            renorm_clipping=renorm_clipping,
+            renorm_momentum=renorm_momentum,
+            synchronized=synchronized,
+            **kwargs,
+        )
+        self.accum_steps = accum_steps
+        for name in _ACCUMULATION_VARIABLES:
+            setattr(self, name, None)
+
+    def build(self, input_shape):
+        input_shape = tuple(input_shape)
+        rank = len(input_shape)
+        if not -rank <= self.axis < rank:
+            raise ValueError(
+                f"`axis` must be in [-{rank}, {rank}) for inputs of rank "
+                f"{rank}. Received: axis={self.axis} for "
+                f"input_shape={input_shape}"
+            )
+        if input_shape[self.axis] is None:
+            raise ValueError(
+                "The channel dimension (`axis`) of the input must be known. "
+                f"Received: axis={self.axis} for input_shape={input_shape}"
+            )
+        super().build(input_shape)
+        if self.accum_steps == 1:
+            return
+        channels = (input_shape[self.axis],)
+
+        def state(name, shape=channels, dtype="float32"):
+            # float32 whatever the dtype policy; `autocast=False` keeps it so
+            # inside a float16 autocast scope.
+            return self.add_weight(
+                shape=shape,
+                dtype=dtype,
+                initializer="zeros",
+                trainable=False,
+                autocast=False,
+                name=name,
+            )
+
+        self.pending_count = state("pending_count")
+        self.pending_shift = state("pending_shift")
+        self.pending_mean_offset = state("pending_mean_offset")
+        self.pending_m2 = state("pending_m2")
+        self.micro_step = state("micro_step", shape=(), dtype="int64")
+
+    def call(self, inputs, training=None, mask=None):
+        if mask is not None and len(mask.shape) != len(inputs.shape) - 1:
+            raise ValueError(
+                "`mask` must have one dimension less than `inputs` (it is "
+                "broadcast along the last axis). Received: "
+                f"mask.shape={tuple(mask.shape)}, "
+                f"inputs.shape={tuple(inputs.shape)}"
+            )
+        if self.accum_steps == 1 or not (training and self.trainable):
+            return super().call(inputs, training=training, mask=mask)
+
+        # As Keras: float16/bfloat16 inputs are normalized in float32.
+        x = ops.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
+        if mask is not None:
+            mask = ops.cast(ops.broadcast_to(ops.expand_dims(mask, -1), ops.shape(x)), "bool")
+        count, mean, residual, m2 = self._micro_batch_moments(x, mask)
+        self._accumulate(count, mean, residual, m2)
+
+        outputs = ops.batch_normalization(
+            x=x,
+            mean=ops.cast(mean + residual, x.dtype),
+            variance=ops.cast(variance_from_moments(count, m2), x.dtype),
+            axis=self.axis,
+            offset=None if self.beta is None else ops.cast(self.beta, x.dtype),
+            scale=None if self.gamma is None else ops.cast(self.gamma, x.dtype),
+            epsilon=self.epsilon,
+        )
+        return ops.cast(outputs, self.compute_dtype)
+
+    def get_config(self):
+        config = super().get_config()
+        config["accum_steps"] = self.accum_steps
+        return config
+
+    def apply_pending_statistics(self, is_update_step=None):
+        """Moves the pending statistics into the moving statistics if due.
+
+        Where ``is_update_step`` is true, every channel with
+        ``pending_count > 0`` gets::
+
+            moving_mean     = momentum * moving_mean
+                              + (1 - momentum) * (pending_shift + pending_mean_offset)
+            moving_variance = momentum * moving_variance
+                              + (1 - momentum) * pending_m2 / pending_count
+
+        and ``pending_*`` and ``micro_step`` are reset to 0. Where it is false
+        nothing changes (bit-identical). Graph-safe: tensor decisions go
+        through ``ops.where``, with no conditional or collective, so it runs
+        eagerly, under ``tf.function``, XLA ``jit_compile`` and in a replica
+        context. Does nothing with ``accum_steps=1`` (no pending state), on
+        an unbuilt layer, or when ``trainable`` is ``False`` (a frozen layer
+        changes no state; what it had pending waits until it is unfrozen).
+
+        ``GradientAccumulateModel`` calls it after the forward pass of each
+        train step with its ``is_update_step``. Call it with ``None`` (or
+        ``True``) to flush an unfinished group, e.g. at the end of an epoch.
+
+        Args:
+            is_update_step: Boolean scalar (Python or tensor), or ``None``
+                for ``True``.
+        """
+        if self.accum_steps == 1 or not self.built or not self.trainable:
+            return
+        if is_update_step is None:
+            is_update_step = True
+        is_update_step = ops.convert_to_tensor(is_update_step, "bool")
+        count = self.pending_count.value
+        due = ops.logical_and(is_update_step, ops.greater(count, 0.0))
+        mean = self.pending_shift.value + self.pending_mean_offset.value
+        variance = variance_from_moments(count, self.pending_m2.value)
+        for moving, batch in (
+            (self.moving_mean, mean),
+            (self.moving_variance, variance),
+        ):
+            old = ops.cast(moving.value, "float32")
+            # Keras's formula, term for term.
+            new = old * self.momentum + batch * (1.0 - self.momentum)
+            moving.assign(ops.cast(ops.where(due, new, old), moving.dtype))
+        for pending in (
+            self.pending_count,
+            self.pending_shift,
+            self.pending_mean_offset,
+            self.pending_m2,
+        ):
+            pending.assign(ops.where(is_update_step, 0.0, pending.value))
+        self.micro_step.assign(
+            ops.where(is_update_step, ops.zeros((), "int64"), self.micro_step.value)
+        )
+
+    def set_weights(self, weights):
+        """Sets all weights, or only the Keras BatchNormalization ones.
+
+        Args:
+            weights: List of arrays: either ``len(self.weights)`` of them, or
+                as many as a Keras BatchNormalization with the same arguments
+                has (``keras_bn.get_weights()``), in which case the
+                accumulation state is emptied.
+        """
+        weights = list(weights)
+        accumulation = self._accumulation_variables
+        if accumulation and len(weights) == len(self.weights) - len(accumulation):
+            weights += [np.zeros(v.shape, v.dtype) for v in accumulation]
+        super().set_weights(weights)
+
+    @property
+    def _accumulation_variables(self):
+        if self.accum_steps == 1 or not self.built:
+            return []
+        return [getattr(self, name) for name in _ACCUMULATION_VARIABLES]
+
+    def _micro_batch_moments(self, x, mask):
+        """``(count, mean, residual, m2)`` of the micro-batch (see ``batch_moments``).
+
+        Global over replicas if ``synchronized`` under a multi-replica
+        strategy; then ``mean`` is a common origin and ``residual`` the
+        offset of the global mean from it.
+        """
+        count, mean, residual, m2 = batch_moments(x, self._reduction_axes, mask)
+        replica_context = tf.distribute.get_replica_context()
+        if (
+            self.synchronized
+            and replica_context is not None
+            and replica_context.num_replicas_in_sync > 1
+        ):
+            # One collective: gather every replica's summary (replicas x 4 x C)
+            # and merge them exactly; no E[x^2] - E[x]^2 cancellation, and
+            # unequal or empty shards are weighted by their counts. Every
+            # replica merges the same tensor, so all get the same result.
+            replicas = replica_context.num_replicas_in_sync
+            local = ops.expand_dims(ops.stack([count, mean, residual, m2]), 0)
+            gathered = ops.reshape(  # restores the static shape all_gather drops
+                replica_context.all_gather(local, axis=0),
+                (replicas, 4, self.moving_mean.shape[0]),
+            )
+            counts, means, residuals, m2s = (gathered[:, i] for i in range(4))
+            # Any float32 value near the data is a good origin; the
+            # count-weighted mean of the float32 means is one.
+            origin = ops.sum(counts * means, axis=0) / ops.maximum(ops.sum(counts, axis=0), 1.0)
+            offsets = (means - origin) + residuals
+            count, residual, m2 = merge_moments_along(counts, offsets, m2s)
+            mean = origin
+        return count, mean, residual, m2
+
+    def _accumulate(self, count, mean, residual, m2):
+        """Merges a micro-batch summary into the pending statistics."""
+        count, mean, residual, m2 = (ops.stop_gradient(t) for t in (count, mean, residual, m2))
+        pending_count = self.pending_count.value
+        # The group's first non-empty micro-batch sets the shift; later ones
+        # are expressed as offsets from it (exact subtraction of nearby
+        # float32 values, then the residual added).
+        shift = ops.where(pending_count > 0, self.pending_shift.value, mean)
+        merged = merge_moments(
+            pending_count,
+            self.pending_mean_offset.value,
+            self.pending_m2.value,
+            count,
+            (mean - shift) + residual,
+            m2,
+        )
+        self.pending_shift.assign(shift)
+        for variable, value in zip(
+            (self.pending_count, self.pending_mean_offset, self.pending_m2), merged
+        ):
+            variable.assign(value)
+        is_update_step = current_update_step()
+        if is_update_step is None:
+            # On its own: this layer's counter decides.
+            steps = self.micro_step.assign_add(1)
+            self.apply_pending_statistics(ops.greater_equal(steps, self.accum_steps))

@@ -1,0 +1,461 @@
+"""The optimizer wrapper: accumulates gradients for any Keras optimizer, in any training loop."""
+
+import inspect
+from collections.abc import Callable
+
+import keras
+
+from gradient_accumulator.agc import adaptive_clip_gradients
+from gradient_accumulator.engine import GradientAccumulator
+from gradient_accumulator.validation import check_accum_steps, check_bool, check_positive_float
+
+# Arguments of `keras.optimizers.Optimizer` that belong to the inner optimizer:
+# it applies them once per update, which is what accumulation needs.
+_INNER_ARGUMENTS = (
+    "learning_rate",
+    "weight_decay",
+    "clipnorm",
+    "clipvalue",
+    "global_clipnorm",
+    "use_ema",
+    "ema_momentum",
+    "ema_overwrite_frequency",
+    "loss_scale_factor",
+)
+
+
+def _resolve_optimizer(optimizer):
+    """Returns ``optimizer`` as a Keras optimizer instance or raises naming it."""
+    if isinstance(optimizer, (str, dict)):
+        try:
+            optimizer = keras.optimizers.get(optimizer)
+        except ValueError as error:
+            raise ValueError(
+                "`optimizer` must be a `keras.optimizers.Optimizer` instance or "
+                "the name of one, such as 'adam'. Received: "
+                f"optimizer={optimizer!r}"
+            ) from error
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError(
+            "`optimizer` must be a `keras.optimizers.Optimizer` instance or the "
+            "name of one, such as 'adam'. Received: "
+            f"optimizer={optimizer!r} of type {type(optimizer).__name__}"
+        )
+    return optimizer
+
+
+def _check_inner_optimizer(optimizer):
+    """Refuses inner optimizers with which accumulation would be wrong."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            "`GradientAccumulateOptimizer` cannot wrap a `LossScaleOptimizer`: "
+            "the loss scale would be unscaled once per update, and one "
+            "micro-batch with non-finite gradients would discard its whole "
+            "group. Wrap the other way round, "
+            "`keras.optimizers.LossScaleOptimizer("
+            "GradientAccumulateOptimizer(optimizer, accum_steps=k))`, which "
+            "`model.compile()` does by itself under the 'mixed_float16' dtype "
+            "policy. Received: optimizer=LossScaleOptimizer("
+            f"inner_optimizer={type(optimizer.inner_optimizer).__name__})"
+        )
+    if isinstance(optimizer, GradientAccumulateOptimizer):
+        raise ValueError(
+            "`optimizer` is already a `GradientAccumulateOptimizer` "
+            f"(accum_steps={optimizer.accum_steps!r}); nesting multiplies the "
+            "micro-steps per update. Use one `GradientAccumulateOptimizer` "
+            "whose `accum_steps` is the product. Received: "
+            "optimizer=GradientAccumulateOptimizer("
+            f"accum_steps={optimizer.accum_steps!r})"
+        )
+    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    if steps:
+        raise ValueError(
+            "`optimizer` accumulates gradients itself "
+            f"(`gradient_accumulation_steps={steps}`). Create it without "
+            f"`gradient_accumulation_steps` and pass `accum_steps={steps}` to "
+            "`GradientAccumulateOptimizer` instead (learning-rate schedules "
+            "and EMA then count updates, and it works under tf.distribute). "
+            f"Received: optimizer={type(optimizer).__name__}"
+            f"(gradient_accumulation_steps={steps})"
+        )
+
+
+def _check_accum_steps(accum_steps):
+    """An integer >= 1 (validated) or a callable schedule (kept as is)."""
+    if callable(accum_steps):
+        return accum_steps
+    return check_accum_steps(accum_steps)
+
+
+def _check_no_inner_arguments(kwargs):
+    for name in _INNER_ARGUMENTS:
+        if name in kwargs:
+            raise ValueError(
+                f"`GradientAccumulateOptimizer` does not take `{name}`: set it "
+                "on the inner optimizer, which applies it once per update, "
+                f"e.g. `GradientAccumulateOptimizer(keras.optimizers.Adam({name}"
+                f"=...), accum_steps=k)`. Received: {name}={kwargs[name]!r}"
+            )
+    if "gradient_accumulation_steps" in kwargs:
+        steps = kwargs["gradient_accumulation_steps"]
+        raise ValueError(
+            "`GradientAccumulateOptimizer` does not take "
+            "`gradient_accumulation_steps`; pass `accum_steps` instead. "
+            f"Received: gradient_accumulation_steps={steps!r}"
+        )
+    if "reduction" in kwargs:
+        raise ValueError(
+            "`reduction` is no longer an argument: micro-batch gradients are "
+            "always averaged, so that an update equals one step on the "
+            "concatenated batch. Remove the argument. Received: "
+            f"reduction={kwargs['reduction']!r}"
+        )
+    if kwargs:
+        raise ValueError(f"Argument(s) not recognized: {kwargs}")
+
+
+def _is_registered(obj):
+    """Whether Keras can deserialize ``obj`` by its registered name."""
+    target = obj if inspect.isfunction(obj) else type(obj)
+    name = keras.saving.get_registered_name(target)
+    return keras.saving.get_registered_object(name) is target
+
+
+class _PresentGradients:
+    """Hands the inner optimizer only the variables that have a gradient.
+
+    The engine keeps one fixed list of variables (the ones the optimizer was
+    built with) and passes ``None`` for those without a gradient; Keras's
+    optimizers would warn about each ``None``. A caller that passes a subset
+    of the variables to ``apply_gradients`` gets no warning in plain Keras,
+    and gets none here. The wrapped optimizer is ``inner_optimizer``, the
+    attribute through which the engine finds (and configures) the optimizer
+    chain.
+    """
+
+    def __init__(self, optimizer):
+        self.inner_optimizer = optimizer
+
+    def apply(self, grads, variables):
+        present = [(g, v) for g, v in zip(grads, variables) if g is not None]
+        self.inner_optimizer.apply([g for g, _ in present], [v for _, v in present])
+
+
+@keras.saving.register_keras_serializable(package="gradient_accumulator")
+class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
+    """Wraps a Keras optimizer so that it updates once every ``accum_steps`` calls.
+
+    For custom training loops (``opt.apply_gradients(zip(grads, variables))``,
+    eager or inside a ``tf.function``) and for ``model.compile()`` of a plain
+    ``keras.Model``. Each call to ``apply_gradients`` (a *micro-step*) adds
+    the gradients to float32 sums; every ``accum_steps``-th call (an
+    *update*) hands their mean to the inner optimizer and empties the sums.
+    With ``g_i`` the gradient passed at micro-step ``i`` of a group of
+    ``k = accum_steps``::
+
+        g = (g_1 + ... + g_k) / k
+        g = adaptive_clip_gradients(g, weights)   # only if use_agc=True
+        inner_optimizer.apply(g)   # moments, weight decay, clipping, EMA,
+                                   # learning-rate schedule, iterations += 1
+
+    The calls in between change neither the weights nor any state of the
+    inner optimizer (its moments and ``iterations`` stay bit-identical), so
+    ``iterations`` counts updates and a learning-rate schedule sees updates.
+
+    Equivalence with a big batch: when each ``g_i`` is the gradient of the
+    *mean* loss over micro-batch ``i`` and all micro-batches have the same
+    size, ``g`` is the gradient of the mean loss over the concatenated batch
+    and one update equals one step of the inner optimizer on that batch, for
+    any optimizer (float32: within about 1e-6). Micro-batches are weighted
+    equally whatever their size: with sizes ``n_i`` that differ, a sample of
+    micro-batch ``i`` weighs ``mean(n) / n_i`` times what it would in the big
+    batch (e.g. the epoch's last, shorter batch in ``fit``). The optimizer
+    does not see epochs either: in ``fit``, when the batches per epoch are not
+    a multiple of ``accum_steps``, a group spans two epochs.
+    ``GradientAccumulateModel`` weights micro-batches by size and ends groups
+    with the epoch; prefer it for ``fit``. In a custom loop, give
+    micro-batches equal sizes, or differentiate
+    ``mean_loss_i * n_i * accum_steps / N`` (``N``: samples in the group), or
+    call :meth:`apply_accumulated_gradients` to end a group early.
+
+    Sparse gradients (``tf.IndexedSlices``, e.g. from ``keras.layers.Embedding``)
+    are scatter-added into a dense float32 sum, which merges duplicate indices
+    by summation, and the inner optimizer receives a dense gradient at the
+    update: the result equals the inner optimizer's step on the densified
+    gradient of the big batch. (Keras's sparse Adam, given the raw
+    ``IndexedSlices`` of the big batch, squares duplicate rows before summing
+    them, so it differs slightly on repeated tokens.) Memory: the sum is one
+    dense float32 copy of each embedding table, and an update step makes two
+    more transient ones (the mean gradient, the zeros that reset the sum).
+
+    Distribution: call ``apply_gradients`` in replica context (inside
+    ``strategy.run``, as Keras's ``fit`` does); micro-steps that do not update
+    communicate nothing, and an update all-reduces the accumulated gradient
+    once, through the inner optimizer.
+
+    Mixed precision: use ``keras.optimizers.LossScaleOptimizer(
+    GradientAccumulateOptimizer(...))``, which ``model.compile()`` builds by
+    itself under the ``"mixed_float16"`` policy. Gradients are unscaled before
+    they are accumulated, and a micro-step with non-finite gradients is
+    skipped (not accumulated; the loss scale is halved). Wrapping a
+    ``LossScaleOptimizer`` is refused.
+
+    Everything else that shapes the update (``learning_rate`` and its
+    schedule, ``weight_decay``, ``clipnorm``, ``global_clipnorm``,
+    ``clipvalue``, ``use_ema``, ``loss_scale_factor``) is set on the inner
+    optimizer. ``learning_rate`` reads and sets the inner optimizer's, so
+    ``keras.callbacks.LearningRateScheduler`` and ``ReduceLROnPlateau`` work.
+
+    State: ``variables`` holds this wrapper's own two Keras bookkeeping
+    variables (an unused ``iteration`` and ``learning_rate``, as in
+    ``LossScaleOptimizer``), then the inner optimizer's variables, then the
+    accumulation state created in ``build()`` (replica-local, float32 sums):
+
+    - ``<variable>_accumulator`` per trainable variable: ``sum_i(g_i)`` of the
+      current group (dense, the variable's shape).
+    - ``weight_sum``: micro-steps in the current group, as float32 (the
+      divisor of the mean).
+    - ``first_batch_size``: the engine's micro-batch weight reference, always
+      1 here (every micro-step has weight 1).
+    - ``micro_step``: micro-steps accumulated in the current group.
+    - ``update_count``: updates made (the argument of a scheduled
+      ``accum_steps``).
+
+    All of it is saved by ``.keras`` files, ``save_weights`` and
+    ``tf.train.Checkpoint``, so training resumed inside a group ends it where
+    an uninterrupted run does.
+
+    Args:
+        optimizer: A ``keras.optimizers.Optimizer`` instance, or its name or
+            config as accepted by ``keras.optimizers.get`` (e.g. ``"adam"``).
+            Must not accumulate itself (no ``gradient_accumulation_steps``)
+            and must not be a ``LossScaleOptimizer``. Defaults to ``"sgd"``.
+        accum_steps: Integer >= 1, micro-steps per update; ``1`` disables
+            accumulation (every call updates). Or a callable mapping the
+            number of updates so far (int64 scalar tensor) to an integer
+            tensor, the micro-steps of the next group (values below 1 count
+            as 1), e.g. to grow the effective batch during training, as
+            optax's ``every_k_schedule``. A callable is saved by
+            ``get_config`` only if Keras can find it again: decorate it with
+            ``@keras.saving.register_keras_serializable()``; otherwise
+            ``get_config`` (and so ``model.save``) raises. Defaults to ``1``.
+        use_agc: Boolean. If ``True``, adaptive gradient clipping
+            (:func:`gradient_accumulator.agc.adaptive_clip_gradients`) is
+            applied to the accumulated mean gradient at each update, before
+            the inner optimizer. Defaults to ``False``.
+        clip_factor: Float > 0, AGC's largest ratio of a unit's gradient norm
+            to its weight norm. Only used if ``use_agc=True``. Defaults to
+            ``0.01``.
+        eps: Float > 0, AGC's floor on weight norms (so that zero-initialised
+            weights can move). Only used if ``use_agc=True``. Defaults to
+            ``1e-3``.
+        name: String, the name scope of the accumulation state. Defaults to
+            a unique name derived from ``"gradient_accumulate_optimizer"``.
+
+    Example:
+
+    >>> import keras
+    >>> import tensorflow as tf
+    >>> from gradient_accumulator import GradientAccumulateOptimizer
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    >>> opt = GradientAccumulateOptimizer("adam", accum_steps=4)
+    >>> x, y = tf.ones((2, 3)), tf.zeros((2, 1))
+    >>> for _ in range(8):
+    ...     with tf.GradientTape() as tape:
+    ...         loss = keras.losses.mean_squared_error(y, model(x))
+    ...     grads = tape.gradient(loss, model.trainable_variables)
+    ...     _ = opt.apply_gradients(zip(grads, model.trainable_variables))
+    >>> int(opt.iterations)  # 8 micro-steps, 2 updates
+    2
+    >>> type(opt.inner_optimizer).__name__, opt.get_config()["accum_steps"]
+    ('Adam', 4)
+    """
+
+    def __init__(
+        self,
+        optimizer: keras.optimizers.Optimizer | str | dict = "sgd",
+        accum_steps: int | Callable = 1,
+        use_agc: bool = False,
+        clip_factor: float = 0.01,
+        eps: float = 1e-3,
+        name: str | None = None,
+        **kwargs,
+    ):
+        _check_no_inner_arguments(kwargs)
+        inner_optimizer = _resolve_optimizer(optimizer)
+        _check_inner_optimizer(inner_optimizer)
+        accum_steps = _check_accum_steps(accum_steps)
+        use_agc = check_bool("use_agc", use_agc)
+        clip_factor = check_positive_float("clip_factor", clip_factor)
+        eps = check_positive_float("eps", eps)
+        # The base class needs a learning rate; the inner optimizer's is the
+        # one used (see the `learning_rate` property), as in LossScaleOptimizer.
+        super().__init__(learning_rate=0.0, name=name)
+        self.inner_optimizer = inner_optimizer
+        self.accum_steps = accum_steps
+        self.use_agc = use_agc
+        self.clip_factor = clip_factor
+        self.eps = eps
+        self._accumulator = None
+
+    def build(self, var_list):
+        """Builds the inner optimizer (unless built) and the accumulation state."""
+        var_list = list(var_list)
+        if not self.inner_optimizer.built:
+            self.inner_optimizer.build(var_list)
+        transform = self._clip_adaptively if self.use_agc else None
+        # Created here, eagerly, never inside a traced step.
+        with keras.name_scope(self.name, caller=self):
+            self._accumulator = GradientAccumulator(
+                self.accum_steps,
+                var_list,
+                gradient_transform=transform,
+                name="accumulator",
+            )
+        self._apply_inner = _PresentGradients(self.inner_optimizer)
+        super().build(var_list)
+
+    def apply(self, grads, trainable_variables=None):
+        """Accumulates ``grads``; on an update step, applies the group's mean.
+
+        Args:
+            grads: List of gradients (tensors, ``tf.IndexedSlices`` or
+                ``None``), one per entry of ``trainable_variables``.
+            trainable_variables: The variables the gradients belong to, a
+                subset of those the optimizer was built with (built on the
+                first call). ``None``: all of them, in build order.
+        """
+        grads = list(grads)
+        if not grads:
+            return
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "When passing `grads` without `trainable_variables`, the "
+                    "optimizer must already be built. Call "
+                    "`optimizer.build(trainable_variables)` first."
+                )
+            trainable_variables = self._trainable_variables
+        else:
+            trainable_variables = list(trainable_variables)
+            if not self.built:
+                self.build(trainable_variables)
+            self._check_variables_are_known(trainable_variables)
+        if len(grads) != len(trainable_variables):
+            raise ValueError(
+                "`grads` and `trainable_variables` must have the same length. "
+                f"Received: len(grads)={len(grads)}, "
+                f"len(trainable_variables)={len(trainable_variables)}"
+            )
+        if all(g is None for g in grads):
+            raise ValueError("No gradients provided for any variable.")
+        # The engine sums into one fixed list: the variables of `build`.
+        ordered = [None] * len(self._trainable_variables)
+        for grad, variable in zip(grads, trainable_variables):
+            ordered[self._get_variable_index(variable)] = grad
+        accumulator = self._accumulator
+        loss_weight, is_update_step = accumulator.begin_micro_step()
+        accumulator.step(
+            ordered,
+            loss_weight,
+            is_update_step,
+            self._apply_inner,
+            self._trainable_variables,
+        )
+
+    def apply_accumulated_gradients(self):
+        """Applies a non-empty, unfinished group now; otherwise does nothing.
+
+        The update uses the mean over the micro-steps accumulated so far, like
+        a shorter last batch. Call it at the end of a custom loop whose
+        number of micro-steps is not a multiple of ``accum_steps``, in the
+        same context as ``apply_gradients`` (inside ``strategy.run`` under a
+        ``tf.distribute`` strategy).
+        """
+        if self._accumulator is None:
+            return
+        self._accumulator.apply_pending(self._apply_inner, self._trainable_variables)
+
+    def apply_gradients(self, grads_and_vars):
+        grads, trainable_variables = zip(*grads_and_vars)
+        self.apply(grads, trainable_variables)
+        return self.iterations
+
+    @property
+    def iterations(self):
+        """Updates made: the inner optimizer's ``iterations``."""
+        return self.inner_optimizer.iterations
+
+    @property
+    def learning_rate(self):
+        """The inner optimizer's learning rate (readable and settable)."""
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def loss_scale_factor(self):
+        """The inner optimizer's ``loss_scale_factor``.
+
+        Forwarded so that ``LossScaleOptimizer``, which clears its inner
+        optimizer's factor, clears the one that is actually applied.
+        """
+        inner = getattr(self, "inner_optimizer", None)
+        return None if inner is None else inner.loss_scale_factor
+
+    @loss_scale_factor.setter
+    def loss_scale_factor(self, value):
+        inner = getattr(self, "inner_optimizer", None)
+        if inner is not None:
+            inner.loss_scale_factor = value
+        # Before `inner_optimizer` exists only the base class's default None
+        # arrives here, which is the inner optimizer's business anyway.
+
+    @property
+    def variables(self):
+        state = [] if self._accumulator is None else self._accumulator.state_variables
+        return self._variables[:] + self.inner_optimizer.variables + state
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def get_config(self):
+        accum_steps = self.accum_steps
+        if callable(accum_steps):
+            if not _is_registered(accum_steps):
+                raise ValueError(
+                    "`accum_steps` is a callable that Keras cannot serialize, "
+                    "so this optimizer cannot be saved. Decorate a named "
+                    "function (or a class with `get_config`) with "
+                    "`@keras.saving.register_keras_serializable()`, or pass "
+                    f"an integer. Received: accum_steps={accum_steps!r}"
+                )
+            accum_steps = keras.saving.serialize_keras_object(accum_steps)
+        return {
+            "name": self.name,
+            "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "accum_steps": accum_steps,
+            "use_agc": self.use_agc,
+            "clip_factor": self.clip_factor,
+            "eps": self.eps,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        config["optimizer"] = keras.saving.deserialize_keras_object(
+            config["optimizer"], custom_objects=custom_objects
+        )
+        if isinstance(config.get("accum_steps"), dict):
+            config["accum_steps"] = keras.saving.deserialize_keras_object(
+                config["accum_steps"], custom_objects=custom_objects
+            )
+        return cls(**config)
+
+    def _clip_adaptively(self, grads, variables):
+        return adaptive_clip_gradients(grads, variables, self.clip_factor, self.eps)

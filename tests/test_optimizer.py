@@ -1,0 +1,706 @@
+"""GradientAccumulateOptimizer: k micro-steps equal one inner step on the concatenated batch."""
+
+import doctest
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras import ops
+
+import gradient_accumulator
+from gradient_accumulator import optimizer as optimizer_module
+from gradient_accumulator.agc import adaptive_clip_gradients
+from gradient_accumulator.optimizer import GradientAccumulateOptimizer
+
+# float32: the mean of k micro-batch mean gradients and the mean gradient of
+# the concatenated batch differ only by summation order (~1e-7 relative); the
+# weights and optimizer states compared are O(1), so 1e-6 absolute.
+ATOL = 1e-6
+# float16 compute (mixed precision): rounding of activations and gradients
+# (observed 1.5e-5 on this test; 1e-3 is the documented float16 bound).
+ATOL_FLOAT16 = 1e-3
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+    "lion": lambda: keras.optimizers.Lion(0.003),
+    # Options the inner optimizer applies once per update.
+    "adam_clipnorm_ema": lambda: keras.optimizers.Adam(
+        0.01, global_clipnorm=0.5, use_ema=True, ema_momentum=0.9
+    ),
+}
+# How a micro-step is run: eager, inside a tf.function, XLA-compiled.
+MODES = {
+    "eager": lambda fn: fn,
+    "function": tf.function,
+    "xla": lambda fn: tf.function(fn, jit_compile=True),
+}
+
+
+# ----------------------------------------------------------------- helpers --
+
+
+def _twin_models(build_model=None, seed=0):
+    """Two models with identical weights: one to wrap, one for the reference."""
+    build_model = build_model or _dense_model
+    keras.utils.set_random_seed(seed)
+    model = build_model()
+    reference = build_model()
+    reference.set_weights(model.get_weights())
+    return model, reference
+
+
+def _dense_model():
+    return keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(2),
+        ]
+    )
+
+
+def _embedding_model():
+    return keras.Sequential(
+        [
+            keras.Input((6,), dtype="int32"),
+            keras.layers.Embedding(12, 3),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(1),
+        ]
+    )
+
+
+def _data(samples, seed=1):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(samples, 5)).astype("float32")
+    y = rng.normal(size=(samples, 2)).astype("float32")
+    return x, y
+
+
+def _token_data(samples, seed=1):
+    """Few distinct tokens, so that every batch repeats indices."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 12, size=(samples, 6)).astype("int32")
+    y = rng.normal(size=(samples, 1)).astype("float32")
+    return x, y
+
+
+def _gradients(model, x, y):
+    """Gradients of the mean squared error over the batch ``(x, y)``."""
+    with tf.GradientTape() as tape:
+        loss = ops.mean(ops.square(model(x, training=True) - y))
+    return tape.gradient(loss, model.trainable_variables)
+
+
+def _micro_step(model, optimizer, mode="function"):
+    def step(x, y):
+        grads = _gradients(model, x, y)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    return MODES[mode](step)
+
+
+def _reference_step(model, optimizer, x, y, densify=False):
+    """One plain step on a (big) batch; ``densify`` merges sparse gradients."""
+    grads = _gradients(model, x, y)
+    if densify:
+        grads = [tf.convert_to_tensor(g) for g in grads]
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+
+def _values(variables):
+    return [np.array(v) for v in variables]
+
+
+def _max_abs_diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(u) - np.asarray(v)))) for u, v in zip(a, b))
+
+
+def _assert_bit_identical(before, after):
+    assert len(before) == len(after)
+    for u, v in zip(before, after):
+        np.testing.assert_array_equal(u, v)
+
+
+def _assert_close(actual, expected, atol=ATOL):
+    assert len(actual) == len(expected)
+    for u, v in zip(actual, expected):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=0, atol=atol)
+
+
+def _train_and_compare(
+    make_optimizer,
+    accum_steps,
+    updates,
+    mode="function",
+    build_model=None,
+    data=_data,
+    batch=4,
+    densify=False,
+):
+    """Runs wrapper and reference side by side; checks every micro-step.
+
+    Returns ``(max |diff| of weights, max |diff| of inner optimizer state)``
+    after the last update.
+    """
+    model, reference = _twin_models(build_model)
+    optimizer = GradientAccumulateOptimizer(make_optimizer(), accum_steps=accum_steps)
+    reference_optimizer = make_optimizer()
+    optimizer.build(model.trainable_variables)
+    reference_optimizer.build(reference.trainable_variables)
+    step = _micro_step(model, optimizer, mode)
+    x, y = data(accum_steps * batch * updates)
+    inner = optimizer.inner_optimizer
+    for update in range(updates):
+        for i in range(accum_steps):
+            before = _values(model.weights + inner.variables)
+            start = (update * accum_steps + i) * batch
+            step(x[start : start + batch], y[start : start + batch])
+            if i < accum_steps - 1:
+                # Not an update: weights and every inner state untouched.
+                _assert_bit_identical(before, _values(model.weights + inner.variables))
+        group = slice(update * accum_steps * batch, (update + 1) * accum_steps * batch)
+        _reference_step(reference, reference_optimizer, x[group], y[group], densify)
+        assert int(optimizer.iterations) == update + 1
+        _assert_close(model.weights, reference.weights)
+        _assert_close(inner.variables, reference_optimizer.variables)
+    return (
+        _max_abs_diff(model.weights, reference.weights),
+        _max_abs_diff(inner.variables, reference_optimizer.variables),
+    )
+
+
+# ------------------------------------------------------------- equivalence --
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_updates_equal_inner_step_on_concatenated_batch(name):
+    _train_and_compare(OPTIMIZERS[name], accum_steps=3, updates=3)
+
+
+@pytest.mark.parametrize("mode", ["eager", "xla"])
+@pytest.mark.parametrize("name", ["sgd_momentum", "adam"])
+def test_equivalence_eager_and_xla(name, mode):
+    _train_and_compare(OPTIMIZERS[name], accum_steps=2, updates=2, mode=mode)
+
+
+def test_accum_steps_one_is_bit_identical_to_inner_optimizer():
+    model, reference = _twin_models()
+    optimizer = GradientAccumulateOptimizer(keras.optimizers.Adam(0.01), accum_steps=1)
+    reference_optimizer = keras.optimizers.Adam(0.01)
+    x, y = _data(12)
+    for start in range(0, 12, 4):
+        batch = (x[start : start + 4], y[start : start + 4])
+        _micro_step(model, optimizer, "eager")(*batch)
+        _reference_step(reference, reference_optimizer, *batch)
+    _assert_bit_identical(_values(model.weights), _values(reference.weights))
+    assert int(optimizer.iterations) == 3
+
+
+def test_compiled_fit_equals_big_batch_fit():
+    model, reference = _twin_models()
+    # SGD with momentum: unlike Adam, it is not invariant to gradient scale.
+    model.compile(
+        optimizer=GradientAccumulateOptimizer(OPTIMIZERS["sgd_momentum"](), accum_steps=3),
+        loss="mse",
+    )
+    reference.compile(optimizer=OPTIMIZERS["sgd_momentum"](), loss="mse")
+    x, y = _data(36)
+    model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations) == 6
+    _assert_close(model.weights, reference.weights)
+
+
+def test_variables_without_gradient_stay_untouched():
+    model, reference = _twin_models()
+    optimizer = GradientAccumulateOptimizer(keras.optimizers.Adam(0.01), accum_steps=2)
+    optimizer.build(model.trainable_variables)
+    head = model.layers[-1].trainable_variables
+    first = _values(model.layers[0].weights)
+    x, y = _data(8)
+    for start in (0, 4):
+        with tf.GradientTape() as tape:
+            loss = ops.mean(ops.square(model(x[start : start + 4]) - y[start : start + 4]))
+        optimizer.apply_gradients(zip(tape.gradient(loss, head), head))
+    _assert_bit_identical(first, _values(model.layers[0].weights))
+    assert int(optimizer.iterations) == 1
+    assert not np.allclose(np.array(head[0]), np.array(reference.layers[-1].kernel))
+
+
+def test_apply_accumulated_gradients_applies_partial_group():
+    model, reference = _twin_models()
+    optimizer = GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=3)
+    reference_optimizer = keras.optimizers.SGD(0.1)
+    x, y = _data(20)
+    step = _micro_step(model, optimizer, "eager")
+    for start in range(0, 20, 4):
+        step(x[start : start + 4], y[start : start + 4])
+    assert int(optimizer.iterations) == 1
+    optimizer.apply_accumulated_gradients()
+    optimizer.apply_accumulated_gradients()  # nothing left: no-op
+    _reference_step(reference, reference_optimizer, x[:12], y[:12])
+    _reference_step(reference, reference_optimizer, x[12:], y[12:])
+    assert int(optimizer.iterations) == 2
+    _assert_close(model.weights, reference.weights)
+
+
+# ------------------------------------------------- schedules and callbacks --
+
+
+def test_learning_rate_schedule_sees_updates():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 1, 0.5)
+    optimizer = GradientAccumulateOptimizer(keras.optimizers.SGD(schedule), accum_steps=3)
+    model, _ = _twin_models()
+    step = _micro_step(model, optimizer)
+    x, y = _data(28)
+    for start in range(0, 28, 4):
+        step(x[start : start + 4], y[start : start + 4])
+    assert int(optimizer.iterations) == 2
+    np.testing.assert_allclose(float(optimizer.learning_rate), 0.1 * 0.5**2, rtol=1e-6)
+
+
+def test_learning_rate_settable_by_callbacks():
+    model, _ = _twin_models()
+    optimizer = GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=2)
+    optimizer.learning_rate = 0.2
+    assert float(optimizer.inner_optimizer.learning_rate) == pytest.approx(0.2)
+    model.compile(optimizer=optimizer, loss="mse")
+    x, y = _data(16)
+    callbacks = [
+        keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.5),
+        # Never improves by 1e9, so it halves the rate after the second epoch.
+        keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=1e9),
+    ]
+    model.fit(x, y, batch_size=4, epochs=2, callbacks=callbacks, verbose=0)
+    assert float(optimizer.inner_optimizer.learning_rate) == pytest.approx(0.2 / 8)
+    assert int(optimizer.iterations) == 4
+
+
+@keras.saving.register_keras_serializable(package="gradient_accumulator_tests")
+def growing_accum_steps(update_count):
+    """Two updates of one micro-step, then three micro-steps per update."""
+    return ops.where(update_count < 2, 1, 3)
+
+
+def test_scheduled_accum_steps():
+    model, reference = _twin_models()
+    optimizer = GradientAccumulateOptimizer(
+        keras.optimizers.Adam(0.01), accum_steps=growing_accum_steps
+    )
+    reference_optimizer = keras.optimizers.Adam(0.01)
+    x, y = _data(32)
+    step = _micro_step(model, optimizer)
+    for start in range(0, 32, 4):
+        step(x[start : start + 4], y[start : start + 4])
+    for start, stop in [(0, 4), (4, 8), (8, 20), (20, 32)]:
+        _reference_step(reference, reference_optimizer, x[start:stop], y[start:stop])
+    assert int(optimizer.iterations) == 4
+    _assert_close(model.weights, reference.weights)
+    restored = GradientAccumulateOptimizer.from_config(optimizer.get_config())
+    assert restored.accum_steps is growing_accum_steps
+
+
+def test_unregistered_schedule_is_refused_on_save():
+    optimizer = GradientAccumulateOptimizer("sgd", accum_steps=lambda update: 2)
+    with pytest.raises(ValueError, match=r"`accum_steps` is a callable .*register_keras"):
+        optimizer.get_config()
+
+
+# ------------------------------------------------------ clipping, sparse --
+
+
+def test_agc_clips_the_accumulated_gradient():
+    model, reference = _twin_models()
+    optimizer = GradientAccumulateOptimizer(
+        keras.optimizers.SGD(0.5), accum_steps=2, use_agc=True, clip_factor=0.02
+    )
+    reference_optimizer = keras.optimizers.SGD(0.5)
+    x, y = _data(8)
+    step = _micro_step(model, optimizer)
+    step(x[:4], y[:4])
+    step(x[4:], y[4:])
+    grads = _gradients(reference, x, y)
+    clipped = adaptive_clip_gradients(grads, reference.trainable_variables, 0.02, 1e-3)
+    assert any(not np.allclose(g, c) for g, c in zip(grads, clipped))  # it clips
+    reference_optimizer.apply_gradients(zip(clipped, reference.trainable_variables))
+    _assert_close(model.weights, reference.weights)
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum", "adam"])
+def test_sparse_gradients_equal_densified_big_batch(name):
+    model, _ = _twin_models(_embedding_model)
+    x, _ = _token_data(4)
+    assert isinstance(_gradients(model, x, np.zeros((4, 1), "float32"))[0], tf.IndexedSlices)
+    _train_and_compare(
+        OPTIMIZERS[name],
+        accum_steps=3,
+        updates=2,
+        build_model=_embedding_model,
+        data=_token_data,
+        densify=True,
+    )
+
+
+def test_sparse_sgd_equals_keras_sparse_path():
+    # Plain SGD scatter-adds IndexedSlices, which sums duplicates, as the
+    # accumulator does: no densifying needed for the reference.
+    _train_and_compare(
+        lambda: keras.optimizers.SGD(0.1),
+        accum_steps=3,
+        updates=2,
+        build_model=_embedding_model,
+        data=_token_data,
+    )
+
+
+# --------------------------------------------------------- mixed precision --
+
+
+@pytest.fixture
+def mixed_float16():
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
+def test_compile_wraps_in_loss_scale_optimizer_under_mixed_float16(mixed_float16):
+    model, reference = _twin_models()
+    model.compile(
+        optimizer=GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=2),
+        loss="mse",
+    )
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert isinstance(model.optimizer.inner_optimizer, GradientAccumulateOptimizer)
+    x, y = _data(16)
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations) == 2
+    _assert_close(model.weights, reference.weights, atol=ATOL_FLOAT16)
+
+
+def test_loss_scale_optimizer_skips_non_finite_micro_step():
+    model, _ = _twin_models()
+    accumulate = GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=2)
+    optimizer = keras.optimizers.LossScaleOptimizer(accumulate, initial_scale=8.0)
+    variables = model.trainable_variables
+    optimizer.build(variables)
+    before = _values(model.weights)
+    bad = [np.full(v.shape, np.inf, "float32") for v in variables]
+    optimizer.apply(bad, variables)
+    assert int(accumulate._accumulator.micro_step.numpy()) == 0  # not accumulated
+    assert float(optimizer.dynamic_scale) == 4.0
+    good = [np.ones(v.shape, "float32") * 4.0 for v in variables]  # scaled by 4
+    optimizer.apply(good, variables)
+    _assert_bit_identical(before, _values(model.weights))
+    optimizer.apply(good, variables)
+    assert int(optimizer.iterations) == 1
+    _assert_close(model.weights, [w - 0.1 for w in before])
+
+
+def test_static_loss_scale_of_inner_optimizer():
+    model, reference = _twin_models()
+    inner = keras.optimizers.SGD(0.1, loss_scale_factor=8.0)
+    optimizer = GradientAccumulateOptimizer(inner, accum_steps=2)
+    assert optimizer.loss_scale_factor == 8.0
+    x, y = _data(8)
+    for start in (0, 4):
+        with tf.GradientTape() as tape:
+            loss = ops.mean(ops.square(model(x[start : start + 4]) - y[start : start + 4]))
+            scaled = optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    _reference_step(reference, keras.optimizers.SGD(0.1), x, y)
+    _assert_close(model.weights, reference.weights)
+    # LossScaleOptimizer clears the factor that is actually applied.
+    keras.optimizers.LossScaleOptimizer(optimizer)
+    assert inner.loss_scale_factor is None
+
+
+def test_wrapping_a_loss_scale_optimizer_is_refused():
+    inner = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())
+    with pytest.raises(
+        ValueError,
+        match=r"LossScaleOptimizer\(GradientAccumulateOptimizer.*"
+        r"Received: optimizer=LossScaleOptimizer\(inner_optimizer=Adam\)",
+    ):
+        GradientAccumulateOptimizer(inner, accum_steps=2)
+
+
+# -------------------------------------------------- state, serialization --
+
+
+def test_variables_hold_accumulation_state():
+    model, _ = _twin_models()
+    optimizer = GradientAccumulateOptimizer("adam", accum_steps=4)
+    optimizer.build(model.trainable_variables)
+    paths = [v.path for v in optimizer.variables]
+    for weight in model.trainable_variables:
+        assert any(p.endswith(weight.path.replace("/", "_") + "_accumulator") for p in paths)
+    assert any(p.endswith("/micro_step") for p in paths)
+    ids = {id(v) for v in optimizer.variables}
+    assert all(id(v) in ids for v in optimizer.inner_optimizer.variables)
+
+
+def test_config_round_trip():
+    optimizer = GradientAccumulateOptimizer(
+        keras.optimizers.AdamW(0.003, weight_decay=0.1),
+        accum_steps=5,
+        use_agc=True,
+        clip_factor=0.05,
+        eps=1e-4,
+        name="accumulate",
+    )
+    config = optimizer.get_config()
+    restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(optimizer))
+    assert isinstance(restored, GradientAccumulateOptimizer)
+    assert restored.get_config() == config
+    assert isinstance(restored.inner_optimizer, keras.optimizers.AdamW)
+    assert restored.inner_optimizer.weight_decay == 0.1
+    assert restored.name == "accumulate"
+
+
+def test_keras_file_round_trip_mid_group(tmp_path):
+    model, _ = _twin_models()
+    model.compile(
+        optimizer=GradientAccumulateOptimizer(keras.optimizers.Adam(0.01), accum_steps=3),
+        loss="mse",
+    )
+    x, y = _data(28)
+    model.fit(x[:16], y[:16], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded.optimizer, GradientAccumulateOptimizer)
+    assert loaded.optimizer.get_config() == model.optimizer.get_config()
+    assert int(loaded.optimizer._accumulator.micro_step.numpy()) == 1
+    _assert_bit_identical(_values(model.optimizer.variables), _values(loaded.optimizer.variables))
+    for m in (model, loaded):
+        m.fit(x[16:], y[16:], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert int(loaded.optimizer.iterations) == 2
+    _assert_bit_identical(_values(model.weights), _values(loaded.weights))
+
+
+def test_tf_checkpoint_resumes_mid_group(tmp_path):
+    def run(model, optimizer, x, y):
+        step = _micro_step(model, optimizer, "eager")
+        for start in range(0, len(x), 4):
+            step(x[start : start + 4], y[start : start + 4])
+
+    x, y = _data(20)
+    model, twin = _twin_models()
+    optimizer = GradientAccumulateOptimizer(keras.optimizers.Adam(0.01), accum_steps=3)
+    run(model, optimizer, x[:8], y[:8])  # two micro-steps of the first group
+    prefix = tf.train.Checkpoint(model=model, optimizer=optimizer).save(tmp_path / "ckpt")
+    run(model, optimizer, x[8:], y[8:])
+
+    resumed = GradientAccumulateOptimizer(keras.optimizers.Adam(0.01), accum_steps=3)
+    resumed.build(twin.trainable_variables)
+    tf.train.Checkpoint(model=twin, optimizer=resumed).restore(prefix).assert_consumed()
+    run(twin, resumed, x[8:], y[8:])
+    assert int(resumed.iterations) == 1
+    _assert_bit_identical(_values(model.weights), _values(twin.weights))
+    _assert_bit_identical(_values(optimizer.variables), _values(resumed.variables))
+
+
+# ------------------------------------------------------------ bad input --
+
+BAD_ARGUMENTS = {
+    "optimizer_int": (
+        dict(optimizer=42),
+        r"`optimizer` must be a `keras.optimizers.Optimizer`.*Received: optimizer=42",
+    ),
+    "optimizer_unknown_name": (
+        dict(optimizer="adamm"),
+        r"`optimizer` must be .*Received: optimizer='adamm'",
+    ),
+    "optimizer_accumulates": (
+        dict(optimizer=keras.optimizers.Adam(gradient_accumulation_steps=4)),
+        r"`accum_steps=4`.*Received: optimizer=Adam\(gradient_accumulation_steps=4\)",
+    ),
+    "optimizer_nested": (
+        dict(optimizer=GradientAccumulateOptimizer("sgd", accum_steps=2)),
+        r"product.*Received: optimizer=GradientAccumulateOptimizer\(accum_steps=2\)",
+    ),
+    "accum_steps_zero": (dict(accum_steps=0), r"Received: accum_steps=0"),
+    "accum_steps_float": (dict(accum_steps=2.0), r"Received: accum_steps=2.0"),
+    "accum_steps_bool": (dict(accum_steps=True), r"Received: accum_steps=True"),
+    "use_agc_string": (
+        dict(use_agc="yes"),
+        r"`use_agc` must be a boolean. Received: use_agc='yes'",
+    ),
+    "clip_factor_negative": (
+        dict(clip_factor=-1),
+        r"`clip_factor` must be a float > 0. Received: clip_factor=-1",
+    ),
+    "clip_factor_string": (
+        dict(clip_factor="0.1"),
+        r"`clip_factor` must be a float > 0. Received: clip_factor='0.1'",
+    ),
+    "eps_zero": (dict(eps=0.0), r"`eps` must be a float > 0. Received: eps=0.0"),
+    "eps_nan": (dict(eps=float("nan")), r"`eps` must be a float > 0. Received: eps=nan"),
+    "inner_argument": (
+        dict(weight_decay=0.1),
+        r"set it on the inner optimizer.*Received: weight_decay=0.1",
+    ),
+    "keras_accumulation": (
+        dict(gradient_accumulation_steps=2),
+        r"pass `accum_steps` instead. Received: gradient_accumulation_steps=2",
+    ),
+    "reduction": (dict(reduction="SUM"), r"always averaged.*Received: reduction='SUM'"),
+    "unknown": (dict(foo=1), r"not recognized: \{'foo': 1\}"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGUMENTS))
+def test_bad_arguments_are_refused(case):
+    kwargs, message = BAD_ARGUMENTS[case]
+    kwargs = {"optimizer": "sgd", "accum_steps": 2, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        GradientAccumulateOptimizer(**kwargs)
+
+
+def test_apply_without_variables_needs_build():
+    optimizer = GradientAccumulateOptimizer("sgd", accum_steps=2)
+    with pytest.raises(ValueError, match=r"must already be built"):
+        optimizer.apply([tf.ones((2,))])
+
+
+def test_docstring_example(monkeypatch):
+    # Until `gradient_accumulator/__init__.py` re-exports the class (then this
+    # line is a no-op), make the example's top-level import resolvable.
+    monkeypatch.setattr(
+        gradient_accumulator,
+        "GradientAccumulateOptimizer",
+        GradientAccumulateOptimizer,
+        raising=False,
+    )
+    result = doctest.testmod(optimizer_module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+# ----------------------------------------------------------- distributed --
+
+_MIRRORED_SCRIPT = """
+import json
+import numpy as np
+import tensorflow as tf
+
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+)
+import keras
+from gradient_accumulator.optimizer import GradientAccumulateOptimizer
+
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+rng = np.random.default_rng(1)
+x = rng.normal(size=(72, 5)).astype("float32")
+y = rng.normal(size=(72, 2)).astype("float32")
+
+
+def build():
+    return keras.Sequential([
+        keras.Input((5,)),
+        keras.layers.Dense(8, activation="tanh"),
+        keras.layers.Dense(2),
+    ])
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b))
+
+
+results = {}
+# Custom loop: 2 replicas x 4 samples per micro-step, 3 micro-steps per update.
+keras.utils.set_random_seed(0)
+with strategy.scope():
+    model = build()
+    opt = GradientAccumulateOptimizer(keras.optimizers.Adam(0.01), accum_steps=3)
+    opt.build(model.trainable_variables)
+reference = build()
+reference.set_weights(model.get_weights())
+reference_opt = keras.optimizers.Adam(0.01)
+
+
+@tf.function
+def train(batch):
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            per_sample = tf.reduce_mean(tf.square(model(xb) - yb), axis=-1)
+            loss = tf.nn.compute_average_loss(per_sample, global_batch_size=8)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    strategy.run(step, args=batch)
+
+
+dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+for batch in strategy.experimental_distribute_dataset(dataset):
+    train(batch)
+for start in range(0, 72, 24):
+    xb, yb = x[start : start + 24], y[start : start + 24]
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(reference(xb) - yb))
+    grads = tape.gradient(loss, reference.trainable_variables)
+    reference_opt.apply_gradients(zip(grads, reference.trainable_variables))
+results["loop"] = [
+    int(opt.iterations.numpy()), max_diff(model.get_weights(), reference.get_weights())
+]
+
+# compile/fit under the strategy.
+keras.utils.set_random_seed(0)
+with strategy.scope():
+    model = build()
+    model.compile(
+        optimizer=GradientAccumulateOptimizer(
+            keras.optimizers.Adam(0.01), accum_steps=3
+        ),
+        loss="mse",
+    )
+reference = build()
+reference.set_weights(model.get_weights())
+reference.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+reference.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0)
+results["fit"] = [
+    int(model.optimizer.iterations.numpy()),
+    max_diff(model.get_weights(), reference.get_weights()),
+]
+print("RESULTS" + json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_mirrored_strategy_two_replicas(tmp_path):
+    script = tmp_path / "mirrored.py"
+    script.write_text(_MIRRORED_SCRIPT)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    completed = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    line = next(x for x in completed.stdout.splitlines() if x.startswith("RESULTS"))
+    results = json.loads(line[len("RESULTS") :])
+    for case in ("loop", "fit"):
+        iterations, diff = results[case]
+        assert iterations == 3, case
+        assert diff < ATOL, (case, diff)
