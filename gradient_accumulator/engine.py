@@ -24,7 +24,10 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from gradient_accumulator.distribute import gradients_already_reduced
+from gradient_accumulator.distribute import (
+    gradients_already_reduced,
+    supports_collectives_in_conditionals,
+)
 
 _context = threading.local()
 
@@ -235,16 +238,12 @@ class GradientAccumulator(tf.Module):
         """
         has_gradient = getattr(self, "_has_gradient", [True] * len(variables))
 
-        def apply_in_replica():
-            # The update's one cross-replica reduction: every gradient sum and
-            # the weight sum, batched into a single all-reduce.
-            sums = [acc.value for acc, has in zip(self.gradient_sums, has_gradient) if has]
-            *sums, weight = tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.SUM, [*sums, self.weight_sum.value]
-            )
-            sums = iter(sums)
+        summed = [acc for acc, has in zip(self.gradient_sums, has_gradient) if has]
+
+        def apply_in_replica(reduced_sums, reduced_weight):
+            reduced_sums = iter(reduced_sums)
             mean_grads = [
-                ops.cast(next(sums) / weight, var.dtype) if has else None
+                ops.cast(next(reduced_sums) / reduced_weight, var.dtype) if has else None
                 for var, has in zip(variables, has_gradient)
             ]
             if self._gradient_transform is not None:
@@ -253,14 +252,44 @@ class GradientAccumulator(tf.Module):
             self.update_count.assign_add(1)
             self.reset()
 
+        if supports_collectives_in_conditionals():
+            # Collectives need no merge_call here (one device with no
+            # strategy; all-GPU XLA): the conditional stays in replica context.
+            def update_in_replica():
+                # The update's one cross-replica reduction: every gradient sum
+                # and the weight sum, batched into a single all-reduce.
+                *sums, weight = tf.distribute.get_replica_context().all_reduce(
+                    tf.distribute.ReduceOp.SUM,
+                    [*map(ops.convert_to_tensor, summed), ops.convert_to_tensor(self.weight_sum)],
+                )
+                apply_in_replica(sums, weight)
+
+            with gradients_already_reduced(optimizer):
+                tf.cond(is_update_step, update_in_replica, lambda: None)
+            return
+
         def decide_in_cross_replica(strategy, is_update_step):
-            # The conditional lives here, in cross-replica context, so that the
-            # optimizer's own merge_call is legal inside it.
+            # The optimizer calls merge_call, which is not allowed in a
+            # conditional in replica context: the conditional lives here, in
+            # cross-replica context, and re-enters the replicas (the pattern
+            # of Keras's LossScaleOptimizer).
             decision = strategy.experimental_local_results(is_update_step)[0]
 
             def update():
+                # The update's one cross-replica reduction: every gradient sum
+                # and the weight sum, batched, each reduced onto the devices of
+                # the variable it updates.
+                destinations = [var for var, has in zip(variables, has_gradient) if has]
+                pairs = [
+                    (acc.value, var.value) for acc, var in zip(summed, destinations)
+                ] + [(self.weight_sum.value, destinations[0].value)]
+                *sums, weight = strategy.extended.batch_reduce_to(
+                    tf.distribute.ReduceOp.SUM, pairs
+                )
                 with gradients_already_reduced(optimizer):
-                    strategy.extended.call_for_each_replica(apply_in_replica)
+                    strategy.extended.call_for_each_replica(
+                        apply_in_replica, args=(sums, weight)
+                    )
 
             tf.cond(decision, update, lambda: None)
 

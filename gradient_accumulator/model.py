@@ -1,5 +1,6 @@
 """The model wrapper: `fit(batch_size=b)` with k-step accumulation equals `fit(batch_size=k*b)`."""
 
+import functools
 import inspect
 import warnings
 
@@ -8,6 +9,7 @@ import tensorflow as tf
 from keras import ops
 
 from gradient_accumulator.agc import adaptive_clip_gradients
+from gradient_accumulator.distribute import logs_for_keras
 from gradient_accumulator.engine import GradientAccumulator, update_step_scope
 from gradient_accumulator.validation import (
     check_accum_steps,
@@ -22,6 +24,12 @@ _STATE_PREFIX = "accumulator_"
 def _batch_size(x):
     first = next(t for t in keras.tree.flatten(x) if t is not None)
     return ops.shape(first)[0]
+
+
+def _first_replica(strategy, value):
+    if isinstance(value, tf.distribute.DistributedValues):
+        return strategy.experimental_local_results(value)[0]
+    return value
 
 
 class _EpochBoundary(keras.callbacks.Callback):
@@ -174,7 +182,8 @@ class GradientAccumulateModel(keras.Model):
         for layer in self._statistics_layers():
             layer.apply_pending_statistics(is_update_step)
         accumulator.step(grads, loss_weight, is_update_step, self.optimizer, variables)
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return logs_for_keras(logs, self.distribute_strategy)
 
     def fit(self, *args, **kwargs):
         bound = inspect.signature(super().fit).bind(*args, **kwargs)
@@ -185,6 +194,21 @@ class GradientAccumulateModel(keras.Model):
         else:
             bound.arguments["callbacks"] = [*(callbacks or []), boundary]
         return super().fit(*bound.args, **bound.kwargs)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras 3 builds metrics and the optimizer from the first batch, which
+        # it merges across replicas with `strategy.reduce` over the whole
+        # nested batch; MultiWorkerMirroredStrategy cannot reduce a nested
+        # structure, so plain Keras `fit` fails under it (keras-team/keras
+        # issue 20585). One replica's shard has the shapes the build needs.
+        if iterator is not None and self._distribute_strategy is not None:
+            for _, _, batches in iterator:
+                data_batch = keras.tree.map_structure(
+                    functools.partial(_first_replica, self._distribute_strategy), next(batches)
+                )
+                break
+            iterator = None
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def make_train_function(self, force=False):
         # Variables are created here, eagerly and under the strategy scope,
