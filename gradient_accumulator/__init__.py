@@ -6,14 +6,18 @@ check_backend()
 
 from gradient_accumulator._version import __version__  # noqa: E402
 from gradient_accumulator.agc import adaptive_clip_gradients  # noqa: E402
+from gradient_accumulator.distribute import average_batchnorm_statistics  # noqa: E402
 from gradient_accumulator.layers import AccumBatchNormalization  # noqa: E402
 from gradient_accumulator.model import GradientAccumulateModel  # noqa: E402
 from gradient_accumulator.optimizer import GradientAccumulateOptimizer  # noqa: E402
+from gradient_accumulator.utils import replace_batchnorm_layers  # noqa: E402
 
 __all__ = [
     "AccumBatchNormalization",
     "GradientAccumulateModel",
     "GradientAccumulateOptimizer",
     "adaptive_clip_gradients",
+    "average_batchnorm_statistics",
+    "replace_batchnorm_layers",
     "__version__",
 ]

@@ -3,6 +3,7 @@
 import contextlib
 import threading
 
+import keras
 import tensorflow as tf
 from keras import ops
 
@@ -73,9 +74,10 @@ def is_multi_worker(strategy):
     Keras reduces a train step's logs differently in that case, and wrongly
     for scalars; see :func:`logs_for_keras`.
     """
-    return isinstance(
-        strategy, tf.distribute.MultiWorkerMirroredStrategy
-    ) and strategy.extended._in_multi_worker_mode()
+    return (
+        isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+        and strategy.extended._in_multi_worker_mode()
+    )
 
 
 def logs_for_keras(logs, strategy):
@@ -93,3 +95,75 @@ def logs_for_keras(logs, strategy):
         name: ops.expand_dims(value, 0) if len(ops.shape(value)) == 0 else value
         for name, value in logs.items()
     }
+
+
+class CountingCrossDeviceOps(tf.distribute.ReductionToOneDevice):
+    """Counts the batched cross-replica reductions that actually run.
+
+    A diagnostic for ``tf.distribute.MirroredStrategy(devices,
+    cross_device_ops=CountingCrossDeviceOps())``: every
+    ``batch_reduce_to``/``all_reduce`` of the strategy (gradients included)
+    passes through it, and the counters are variables incremented by the
+    reduction itself, so they count reductions that executed, not the ones
+    traced (a reduction inside a conditional that did not run is not counted).
+
+    Attributes:
+        reductions: int64 variable, batched reductions run so far.
+        bytes: int64 variable, bytes of one replica's values summed over them.
+    """
+
+    def __init__(self):
+        super().__init__()
+        with tf.init_scope():
+            self.reductions = tf.Variable(0, dtype=tf.int64, trainable=False)
+            self.bytes = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        size = 0
+        for value, _ in value_destination_pairs:
+            first = value.values[0] if hasattr(value, "values") else value
+            size += first.shape.num_elements() * first.dtype.size
+        with tf.control_dependencies([self.reductions.assign_add(1), self.bytes.assign_add(size)]):
+            return super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
+
+
+def average_batchnorm_statistics(model):
+    """Averages every BatchNormalization layer's moving statistics across replicas.
+
+    Without ``synchronized=True``, a BatchNormalization layer (Keras's or
+    ``AccumBatchNormalization``) under ``tf.distribute`` normalises each
+    replica's shard with that shard's statistics, and each replica updates its
+    own copy of ``moving_mean``/``moving_variance`` from them: the copies
+    drift apart, and evaluation, ``predict`` and checkpoints read the first
+    replica's. Call this before evaluating or saving to replace every copy by
+    the mean over replicas, in one batched all-reduce. The averaged mean is the
+    moving mean of the global batches when shards are equal; the averaged
+    variance misses the spread between replicas' means (use
+    ``synchronized=True`` for the global statistics, exactly).
+
+    Args:
+        model: A Keras model created under the strategy's scope. Layers of
+            nested models are included.
+
+    Returns:
+        Integer, the number of layers averaged (0 without a strategy).
+    """
+    strategy = model.distribute_strategy
+    layers = [
+        layer
+        for layer in model._flatten_layers(include_self=False)
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.built
+    ]
+    variables = [v for layer in layers for v in (layer.moving_mean, layer.moving_variance)]
+    if not variables or strategy.num_replicas_in_sync == 1:
+        return 0
+
+    def average_in_replica():
+        means = tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.MEAN, [ops.convert_to_tensor(v) for v in variables]
+        )
+        for variable, mean in zip(variables, means):
+            variable.assign(mean)
+
+    tf.function(lambda: strategy.run(average_in_replica))()
+    return len(layers)

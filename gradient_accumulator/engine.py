@@ -57,6 +57,39 @@ def current_update_step():
     return stack[-1] if stack else None
 
 
+def _all_reduce_in_replica(grads, weight):
+    """Sums the dense gradients and the weight across replicas, in one batch."""
+    present = [g for g in grads if g is not None]
+    dense = [tf.convert_to_tensor(g) for g in present]  # IndexedSlices densified
+    *reduced, weight = tf.distribute.get_replica_context().all_reduce(
+        tf.distribute.ReduceOp.SUM, [*dense, weight]
+    )
+    reduced = iter(reduced)
+    return [None if g is None else next(reduced) for g in grads], weight
+
+
+def _cond_in_cross_replica(condition, fn, cross_replica_args=None):
+    """Runs ``fn`` in every replica if ``condition``, branching in cross-replica context.
+
+    ``fn`` may call ``merge_call`` (Keras optimizers do), which a conditional
+    in replica context forbids under MirroredStrategy: the conditional lives
+    in cross-replica context and re-enters the replicas, the pattern of
+    Keras's LossScaleOptimizer. ``cross_replica_args(strategy)``, if given,
+    computes ``fn``'s arguments inside the branch, in cross-replica context.
+    """
+
+    def decide(strategy, condition):
+        decision = strategy.experimental_local_results(condition)[0]
+
+        def branch():
+            args = () if cross_replica_args is None else cross_replica_args(strategy)
+            strategy.extended.call_for_each_replica(fn, args=args)
+
+        tf.cond(decision, branch, lambda: None)
+
+    tf.distribute.get_replica_context().merge_call(decide, args=(condition,))
+
+
 def _sum_name(variable):
     path = getattr(variable, "path", None) or variable.name
     return path.replace("/", "_").replace(":", "_") + "_accumulator"
@@ -103,6 +136,12 @@ class GradientAccumulator(tf.Module):
         gradient_transform: Optional callable ``(grads, variables) -> grads``
             applied to the group's mean gradient before the optimizer sees it
             (e.g. adaptive gradient clipping). ``None`` entries stay ``None``.
+        reduce_every_micro_step: Boolean. ``False`` (the default): the sums
+            are replica-local and cross replicas once, at the update.
+            ``True``: every micro-step's gradient is all-reduced before it is
+            added (what plain data-parallel training does each step), so the
+            sums are global between updates; ``accum_steps`` times the
+            communication, for whoever wants replicas' sums in step.
         name: String, the name scope of the state.
     """
 
@@ -111,11 +150,13 @@ class GradientAccumulator(tf.Module):
         accum_steps,
         variables,
         gradient_transform=None,
+        reduce_every_micro_step=False,
         name="gradient_accumulator",
     ):
         super().__init__(name=name)
         self.accum_steps = accum_steps
         self._gradient_transform = gradient_transform
+        self._reduce_every_micro_step = reduce_every_micro_step
         # Identities only: holding the variables would make tf.train.Checkpoint
         # save every model weight a second time under this object.
         self._variable_ids = tuple(id(v) for v in variables)
@@ -200,6 +241,12 @@ class GradientAccumulator(tf.Module):
         ``None`` entries stay ``None`` for the optimizer, so variables without
         a gradient are left alone as in plain Keras.
         """
+        # Each replica adds its share of the weight, so that the all-reduced
+        # sum is the group's total weight whatever the number of replicas.
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        weight = ops.cast(loss_weight, "float32") / replicas
+        if self._reduce_every_micro_step:
+            grads, weight = _all_reduce_in_replica(grads, weight)
         for acc, grad in zip(self.gradient_sums, grads):
             if grad is None:
                 continue
@@ -213,10 +260,7 @@ class GradientAccumulator(tf.Module):
                 )
             else:
                 acc.assign_add(ops.cast(grad, "float32"))
-        # Each replica adds its share, so that the all-reduced sum is the
-        # group's total weight whatever the number of replicas.
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        self.weight_sum.assign_add(loss_weight / replicas)
+        self.weight_sum.assign_add(weight)
         self.micro_step.assign_add(1)
         # Trace-time structure, not state: which variables get a gradient at
         # all. Replayed by `apply_pending`, which has no gradients to look at.
@@ -240,7 +284,10 @@ class GradientAccumulator(tf.Module):
 
         summed = [acc for acc, has in zip(self.gradient_sums, has_gradient) if has]
 
-        def apply_in_replica(reduced_sums, reduced_weight):
+        def apply_in_replica(reduced_sums=None, reduced_weight=None):
+            if reduced_sums is None:  # Already reduced at every micro-step.
+                reduced_sums = [ops.convert_to_tensor(acc) for acc in summed]
+                reduced_weight = ops.convert_to_tensor(self.weight_sum)
             reduced_sums = iter(reduced_sums)
             mean_grads = [
                 ops.cast(next(reduced_sums) / reduced_weight, var.dtype) if has else None
@@ -251,6 +298,11 @@ class GradientAccumulator(tf.Module):
             optimizer.apply(mean_grads, variables)
             self.update_count.assign_add(1)
             self.reset()
+
+        if self._reduce_every_micro_step:
+            with gradients_already_reduced(optimizer):
+                _cond_in_cross_replica(is_update_step, apply_in_replica)
+            return
 
         if supports_collectives_in_conditionals():
             # Collectives need no merge_call here (one device with no
@@ -268,34 +320,17 @@ class GradientAccumulator(tf.Module):
                 tf.cond(is_update_step, update_in_replica, lambda: None)
             return
 
-        def decide_in_cross_replica(strategy, is_update_step):
-            # The optimizer calls merge_call, which is not allowed in a
-            # conditional in replica context: the conditional lives here, in
-            # cross-replica context, and re-enters the replicas (the pattern
-            # of Keras's LossScaleOptimizer).
-            decision = strategy.experimental_local_results(is_update_step)[0]
+        def reduce_sums(strategy):
+            # The update's one cross-replica reduction: every gradient sum and
+            # the weight sum, batched, each onto its variable's devices.
+            destinations = [var for var, has in zip(variables, has_gradient) if has]
+            pairs = [(acc.value, var.value) for acc, var in zip(summed, destinations)]
+            pairs.append((self.weight_sum.value, destinations[0].value))
+            *sums, weight = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)
+            return sums, weight
 
-            def update():
-                # The update's one cross-replica reduction: every gradient sum
-                # and the weight sum, batched, each reduced onto the devices of
-                # the variable it updates.
-                destinations = [var for var, has in zip(variables, has_gradient) if has]
-                pairs = [
-                    (acc.value, var.value) for acc, var in zip(summed, destinations)
-                ] + [(self.weight_sum.value, destinations[0].value)]
-                *sums, weight = strategy.extended.batch_reduce_to(
-                    tf.distribute.ReduceOp.SUM, pairs
-                )
-                with gradients_already_reduced(optimizer):
-                    strategy.extended.call_for_each_replica(
-                        apply_in_replica, args=(sums, weight)
-                    )
-
-            tf.cond(decision, update, lambda: None)
-
-        tf.distribute.get_replica_context().merge_call(
-            decide_in_cross_replica, args=(is_update_step,)
-        )
+        with gradients_already_reduced(optimizer):
+            _cond_in_cross_replica(is_update_step, apply_in_replica, reduce_sums)
 
     def reset(self):
         """Empties the group (call in replica context)."""

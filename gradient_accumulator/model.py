@@ -108,6 +108,12 @@ class GradientAccumulateModel(keras.Model):
         eps: Float > 0, AGC's floor on weight norms, so that zero-initialised
             weights can move. Only used if ``use_agc=True``. Defaults to
             ``1e-3``.
+        reduce_every_micro_step: Boolean. Under a ``tf.distribute`` strategy,
+            ``False`` (the default) keeps each replica's sums local and
+            all-reduces them once per update, in one batch; ``True``
+            all-reduces every micro-step's gradient before adding it, as
+            plain data-parallel training does, at ``accum_steps`` times the
+            communication. The result is the same either way.
         **kwargs: Passed to ``keras.Model`` (with any positional
             arguments), usually ``inputs=`` and ``outputs=`` of an existing
             functional model.
@@ -131,9 +137,13 @@ class GradientAccumulateModel(keras.Model):
         use_agc: bool = False,
         clip_factor: float = 0.01,
         eps: float = 1e-3,
+        reduce_every_micro_step: bool = False,
         **kwargs,
     ):
         self.accum_steps = check_accum_steps(accum_steps)
+        self.reduce_every_micro_step = check_bool(
+            "reduce_every_micro_step", reduce_every_micro_step
+        )
         self.use_agc = check_bool("use_agc", use_agc)
         self.clip_factor = check_positive_float("clip_factor", clip_factor)
         self.eps = check_positive_float("eps", eps)
@@ -143,6 +153,7 @@ class GradientAccumulateModel(keras.Model):
             self._ensure_accumulator()
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
+        self._check_strategy()
         super().compile(optimizer, *args, **kwargs)
         check_optimizer_does_not_accumulate(self.optimizer, self.accum_steps)
         if self.built:
@@ -213,6 +224,8 @@ class GradientAccumulateModel(keras.Model):
     def make_train_function(self, force=False):
         # Variables are created here, eagerly and under the strategy scope,
         # never inside the traced step (that breaks tf.distribute).
+        self._check_strategy()
+        self._check_statistics_layers()
         self._ensure_accumulator()
         return super().make_train_function(force=force)
 
@@ -248,6 +261,7 @@ class GradientAccumulateModel(keras.Model):
             use_agc=self.use_agc,
             clip_factor=self.clip_factor,
             eps=self.eps,
+            reduce_every_micro_step=self.reduce_every_micro_step,
         )
         return config
 
@@ -291,6 +305,42 @@ class GradientAccumulateModel(keras.Model):
             if hasattr(layer, "apply_pending_statistics")
         ]
 
+    def _check_strategy(self):
+        """Refuses a model created outside the strategy scope it is used in.
+
+        Keras would silently train such a model on one device.
+        """
+        if not tf.distribute.has_strategy():
+            return
+        current = tf.distribute.get_strategy()
+        if self._distribute_strategy is not current:
+            created = (
+                "outside any strategy scope"
+                if self._distribute_strategy is None
+                else f"under another strategy ({type(self._distribute_strategy).__name__})"
+            )
+            raise ValueError(
+                f"Model '{self.name}' was created {created} and is now used inside "
+                f"`{type(current).__name__}.scope()`: its variables are not "
+                "distributed, so it would train on one device. Create the model "
+                "(layers included) inside `with strategy.scope():`, then compile "
+                "and fit it there."
+            )
+
+    def _check_statistics_layers(self):
+        """Refuses AccumBatchNormalization layers whose accum_steps differ."""
+        for layer in self._statistics_layers():
+            if layer.accum_steps != self.accum_steps:
+                raise ValueError(
+                    f"Layer '{layer.name}' has `accum_steps={layer.accum_steps}` and "
+                    f"model '{self.name}' has `accum_steps={self.accum_steps}`: its "
+                    "moving statistics would not follow the optimizer updates. Give "
+                    "both the same value, e.g. `replace_batchnorm_layers(model, "
+                    f"accum_steps={self.accum_steps})` before wrapping. Received: "
+                    f"accum_steps={layer.accum_steps} (layer), "
+                    f"accum_steps={self.accum_steps} (model)"
+                )
+
     def _ensure_accumulator(self):
         variables = self.trainable_variables
         if self._accumulator is not None and self._accumulator.matches(variables):
@@ -300,6 +350,7 @@ class GradientAccumulateModel(keras.Model):
                 self.accum_steps,
                 variables,
                 gradient_transform=self._clip_adaptively if self.use_agc else None,
+                reduce_every_micro_step=self.reduce_every_micro_step,
                 name="gradient_accumulator",
             )
         # A tf.Module: TF's checkpoint tracking picks it up, Keras's weight

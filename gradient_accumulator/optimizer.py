@@ -249,6 +249,12 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         eps: Float > 0, AGC's floor on weight norms (so that zero-initialised
             weights can move). Only used if ``use_agc=True``. Defaults to
             ``1e-3``.
+        reduce_every_micro_step: Boolean. Under a ``tf.distribute`` strategy,
+            ``False`` (the default) keeps each replica's sums local and
+            all-reduces them once per update, in one batch; ``True``
+            all-reduces every micro-step's gradient before adding it, at
+            ``accum_steps`` times the communication. Same result either way.
+            Defaults to ``False``.
         name: String, the name scope of the accumulation state. Defaults to
             a unique name derived from ``"gradient_accumulate_optimizer"``.
 
@@ -278,6 +284,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         use_agc: bool = False,
         clip_factor: float = 0.01,
         eps: float = 1e-3,
+        reduce_every_micro_step: bool = False,
         name: str | None = None,
         **kwargs,
     ):
@@ -288,6 +295,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         use_agc = check_bool("use_agc", use_agc)
         clip_factor = check_positive_float("clip_factor", clip_factor)
         eps = check_positive_float("eps", eps)
+        reduce_every_micro_step = check_bool("reduce_every_micro_step", reduce_every_micro_step)
         # The base class needs a learning rate; the inner optimizer's is the
         # one used (see the `learning_rate` property), as in LossScaleOptimizer.
         super().__init__(learning_rate=0.0, name=name)
@@ -296,6 +304,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self.use_agc = use_agc
         self.clip_factor = clip_factor
         self.eps = eps
+        self.reduce_every_micro_step = reduce_every_micro_step
         self._accumulator = None
 
     def build(self, var_list):
@@ -310,6 +319,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 self.accum_steps,
                 var_list,
                 gradient_transform=transform,
+                reduce_every_micro_step=self.reduce_every_micro_step,
                 name="accumulator",
             )
         self._apply_inner = _PresentGradients(self.inner_optimizer)
@@ -443,6 +453,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             "use_agc": self.use_agc,
             "clip_factor": self.clip_factor,
             "eps": self.eps,
+            "reduce_every_micro_step": self.reduce_every_micro_step,
         }
 
     @classmethod

@@ -112,6 +112,59 @@ def numpy_agc(grad, weight, clip_factor, eps):
     return out
 
 
+def free_ports(count):
+    """``count`` distinct free TCP ports on the loopback interface."""
+    import socket
+
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def run_workers(source, num_workers=2, timeout=600, args=(), check=True):
+    """Runs ``source`` as a MultiWorkerMirroredStrategy cluster on loopback.
+
+    Each worker is a fresh process with its own ``TF_CONFIG``; returns the
+    ``(returncode, stdout, stderr)`` of each, in worker order.
+    """
+    import json
+
+    ports = free_ports(num_workers)
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+    processes = []
+    for index in range(num_workers):
+        tf_config = {"cluster": cluster, "task": {"type": "worker", "index": index}}
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_CONFIG": json.dumps(tf_config)}
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, "-c", textwrap.dedent(source), *map(str, args)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+        )
+    results = []
+    try:
+        for process in processes:
+            out, err = process.communicate(timeout=timeout)
+            results.append((process.returncode, out, err))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    if check:
+        for index, (code, out, err) in enumerate(results):
+            if code != 0:
+                raise AssertionError(f"worker {index} failed ({code}):\n{out}\n{err[-5000:]}")
+    return results
+
+
 def run_script(source, timeout=600, env=None):
     """Runs ``source`` in a fresh Python process; returns its stdout.
 

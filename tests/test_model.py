@@ -546,3 +546,22 @@ def test_apply_accumulated_gradients_after_train_on_batch():
     model.apply_accumulated_gradients()  # Nothing pending: a no-op.
     assert int(model.optimizer.iterations.numpy()) == 1
     assert_close(reference.get_weights(), model.get_weights(), FLOAT32_ATOL)
+
+
+def test_batchnorm_layers_with_other_accum_steps_are_refused():
+    from gradient_accumulator import AccumBatchNormalization
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    hidden = AccumBatchNormalization(accum_steps=2, name="bn")(keras.layers.Dense(4)(inputs))
+    model = GradientAccumulateModel(
+        accum_steps=4, inputs=inputs, outputs=keras.layers.Dense(1)(hidden)
+    )
+    model.compile("sgd", "mse")
+    x, y = make_regression_data(num_samples=16)
+    with pytest.raises(
+        ValueError,
+        match=r"Layer 'bn' has `accum_steps=2` and model .* has `accum_steps=4`.*"
+        r"replace_batchnorm_layers\(model, accum_steps=4\)",
+    ):
+        model.fit(x, y, batch_size=4, verbose=0)
