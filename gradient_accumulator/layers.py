@@ -395,13 +395,18 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
                 accumulation state is emptied.
         """
         weights = list(weights)
-        accumulation = self._accumulation_variables
+        accumulation = self.accumulation_variables
         if accumulation and len(weights) == len(self.weights) - len(accumulation):
             weights += [np.zeros(v.shape, v.dtype) for v in accumulation]
         super().set_weights(weights)
 
     @property
-    def _accumulation_variables(self):
+    def accumulation_variables(self):
+        """The variables beyond Keras BatchNormalization's four (empty at ``accum_steps=1``).
+
+        ``get_weights()[:-len(layer.accumulation_variables)]`` (or all of
+        them when empty) is what a Keras BatchNormalization layer holds.
+        """
         if self.accum_steps == 1 or not self.built:
             return []
         return [getattr(self, name) for name in _ACCUMULATION_VARIABLES]

@@ -132,7 +132,7 @@ def _keras_batchnorm_weights(layer):
     weights = layer.get_weights()
     if isinstance(layer, AccumBatchNormalization):
         # Our own layer's list of its accumulation variables.
-        weights = weights[: len(weights) - len(layer._accumulation_variables)]
+        weights = weights[: len(weights) - len(layer.accumulation_variables)]
     return weights
 
 
