@@ -165,15 +165,28 @@ def run_workers(source, num_workers=2, timeout=600, args=(), check=True):
     return results
 
 
-def run_script(source, timeout=600, env=None):
+_LOGICAL_CPUS = """
+import tensorflow as tf
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0],
+    [tf.config.LogicalDeviceConfiguration()] * {count},
+)
+"""
+
+
+def run_script(source, timeout=600, env=None, logical_cpus=None):
     """Runs ``source`` in a fresh Python process; returns its stdout.
 
     Fresh processes are needed for logical-device setups and strategies, which
-    a process can configure only once.
+    a process can configure only once. ``logical_cpus=n`` splits the CPU into
+    ``n`` logical devices before ``source`` runs (for MirroredStrategy).
     """
+    source = textwrap.dedent(source)
+    if logical_cpus:
+        source = _LOGICAL_CPUS.format(count=logical_cpus) + source
     full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
     result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(source)],
+        [sys.executable, "-c", source],
         capture_output=True,
         text=True,
         timeout=timeout,

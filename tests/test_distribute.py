@@ -11,10 +11,6 @@ from tests.helpers import FLOAT32_ATOL, run_script, run_workers
 MIRRORED_FIT = """
 import json
 import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-)
 import keras
 from gradient_accumulator import GradientAccumulateModel
 from tests.helpers import build_dense, make_regression_data, max_abs_diff
@@ -50,7 +46,7 @@ print(json.dumps({"replicas": strategy.num_replicas_in_sync, "results": results}
 
 @pytest.fixture(scope="module")
 def mirrored_results():
-    return json.loads(run_script(MIRRORED_FIT).strip().splitlines()[-1])
+    return json.loads(run_script(MIRRORED_FIT, logical_cpus=2).strip().splitlines()[-1])
 
 
 @pytest.mark.slow
@@ -70,10 +66,6 @@ def test_mirrored_two_replicas_equals_one_device_big_batch(mirrored_results, opt
 COUNTED_FIT = """
 import json
 import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-)
 import keras
 import numpy as np
 from gradient_accumulator import GradientAccumulateModel
@@ -114,7 +106,7 @@ print(json.dumps({"params": params, "results": results}))
 
 @pytest.fixture(scope="module")
 def counted():
-    return json.loads(run_script(COUNTED_FIT).strip().splitlines()[-1])
+    return json.loads(run_script(COUNTED_FIT, logical_cpus=2).strip().splitlines()[-1])
 
 
 @pytest.mark.slow
@@ -275,10 +267,6 @@ def test_multi_worker_resumes_with_backup_and_restore(tmp_path):
 
 OUTSIDE_SCOPE = """
 import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-)
 from gradient_accumulator import GradientAccumulateModel
 from tests.helpers import build_dense
 
@@ -294,7 +282,7 @@ except ValueError as error:
 
 @pytest.mark.slow
 def test_model_created_outside_the_strategy_scope_is_refused():
-    out = run_script(OUTSIDE_SCOPE)
+    out = run_script(OUTSIDE_SCOPE, logical_cpus=2)
     assert "ValueError: Model 'functional" in out or "ValueError: Model '" in out
     assert "was created outside any strategy scope" in out
     assert "inside `with strategy.scope():`" in out
@@ -303,10 +291,6 @@ def test_model_created_outside_the_strategy_scope_is_refused():
 UNSYNCHRONIZED_BN = """
 import json
 import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-)
 import keras
 import numpy as np
 from gradient_accumulator import AccumBatchNormalization, GradientAccumulateModel
@@ -345,7 +329,7 @@ print(json.dumps({
 
 @pytest.mark.slow
 def test_average_batchnorm_statistics_across_replicas():
-    result = json.loads(run_script(UNSYNCHRONIZED_BN).strip().splitlines()[-1])
+    result = json.loads(run_script(UNSYNCHRONIZED_BN, logical_cpus=2).strip().splitlines()[-1])
     assert result["layers"] == 1
     assert result["before_gap"] > 4.0  # each replica saw its own shard
     assert result["after_gap"] == 0.0

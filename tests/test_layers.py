@@ -663,10 +663,6 @@ _MIRRORED_SCRIPT = """
     import numpy as np
     import tensorflow as tf
 
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-    )
     import keras
 
     from gradient_accumulator import GradientAccumulateModel
@@ -753,7 +749,7 @@ _MIRRORED_SCRIPT = """
 
 @pytest.mark.slow
 def test_synchronized_under_mirrored_strategy_uses_the_global_batch():
-    stdout = run_script(_MIRRORED_SCRIPT, timeout=300)
+    stdout = run_script(_MIRRORED_SCRIPT, timeout=300, logical_cpus=2)
     line = next(line for line in stdout.splitlines() if line.startswith("RESULTS "))
     results = json.loads(line[len("RESULTS ") :])
     # Same forward/backward as Keras's synchronized BN: float32 rounding only.
@@ -764,6 +760,9 @@ def test_synchronized_under_mirrored_strategy_uses_the_global_batch():
         ("unequal_shards", "numpy_large"),
     ):
         per_replica = [[np.array(copy) for copy in statistic] for statistic in results[case]]
-        for copies in per_replica:  # both replicas hold the same values
-            np.testing.assert_array_equal(copies[0], copies[1])
+        # Both replicas hold the same values, up to the last bit: the two
+        # logical CPUs share one thread pool, whose reductions may split
+        # differently from one call to the next (observed: 1 ulp, 1 run in 2).
+        for copies in per_replica:
+            np.testing.assert_allclose(copies[0], copies[1], rtol=2e-7, atol=0)
         _assert_stats_close([c[0] for c in per_replica], results[reference])

@@ -2,9 +2,6 @@
 
 import doctest
 import json
-import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -16,6 +13,7 @@ import gradient_accumulator
 from gradient_accumulator import optimizer as optimizer_module
 from gradient_accumulator.agc import adaptive_clip_gradients
 from gradient_accumulator.optimizer import GradientAccumulateOptimizer
+from tests.helpers import run_script
 
 # float32: the mean of k micro-batch mean gradients and the mean gradient of
 # the concatenated batch differ only by summation order (~1e-7 relative); the
@@ -599,10 +597,6 @@ import json
 import numpy as np
 import tensorflow as tf
 
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-)
 import keras
 from gradient_accumulator.optimizer import GradientAccumulateOptimizer
 
@@ -685,20 +679,9 @@ print("RESULTS" + json.dumps(results))
 
 
 @pytest.mark.slow
-def test_mirrored_strategy_two_replicas(tmp_path):
-    script = tmp_path / "mirrored.py"
-    script.write_text(_MIRRORED_SCRIPT)
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    completed = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    line = next(x for x in completed.stdout.splitlines() if x.startswith("RESULTS"))
+def test_mirrored_strategy_two_replicas():
+    stdout = run_script(_MIRRORED_SCRIPT, timeout=300, logical_cpus=2)
+    line = next(x for x in stdout.splitlines() if x.startswith("RESULTS"))
     results = json.loads(line[len("RESULTS") :])
     for case in ("loop", "fit"):
         iterations, diff = results[case]
