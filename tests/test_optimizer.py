@@ -619,41 +619,48 @@ def max_diff(a, b):
 
 
 results = {}
-# Custom loop: 2 replicas x 4 samples per micro-step, 3 micro-steps per update.
-keras.utils.set_random_seed(0)
-with strategy.scope():
-    model = build()
-    opt = GradientAccumulateOptimizer(keras.optimizers.Adam(0.01), accum_steps=3)
-    opt.build(model.trainable_variables)
-reference = build()
-reference.set_weights(model.get_weights())
-reference_opt = keras.optimizers.Adam(0.01)
-
-
-@tf.function
-def train(batch):
-    def step(xb, yb):
-        with tf.GradientTape() as tape:
-            per_sample = tf.reduce_mean(tf.square(model(xb) - yb), axis=-1)
-            loss = tf.nn.compute_average_loss(per_sample, global_batch_size=8)
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-
-    strategy.run(step, args=batch)
-
-
+OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "sgd_clipnorm": lambda: keras.optimizers.SGD(0.5, momentum=0.9, clipnorm=0.05),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    "schedule": lambda: keras.optimizers.SGD(
+        keras.optimizers.schedules.ExponentialDecay(0.2, 1, 0.5)
+    ),
+}
 dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
-for batch in strategy.experimental_distribute_dataset(dataset):
-    train(batch)
-for start in range(0, 72, 24):
-    xb, yb = x[start : start + 24], y[start : start + 24]
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(tf.square(reference(xb) - yb))
-    grads = tape.gradient(loss, reference.trainable_variables)
-    reference_opt.apply_gradients(zip(grads, reference.trainable_variables))
-results["loop"] = [
-    int(opt.iterations.numpy()), max_diff(model.get_weights(), reference.get_weights())
-]
+# Custom loop: 2 replicas x 4 samples per micro-step, 3 micro-steps per update.
+for name, make in OPTIMIZERS.items():
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = build()
+        opt = GradientAccumulateOptimizer(make(), accum_steps=3)
+        opt.build(model.trainable_variables)
+    reference = build()
+    reference.set_weights(model.get_weights())
+    reference_opt = make()
+
+    @tf.function
+    def train(batch, model=model, opt=opt):
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                per_sample = tf.reduce_mean(tf.square(model(xb) - yb), axis=-1)
+                loss = tf.nn.compute_average_loss(per_sample, global_batch_size=8)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+
+        strategy.run(step, args=batch)
+
+    for batch in strategy.experimental_distribute_dataset(dataset):
+        train(batch)
+    for start in range(0, 72, 24):
+        xb, yb = x[start : start + 24], y[start : start + 24]
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(reference(xb) - yb))
+        grads = tape.gradient(loss, reference.trainable_variables)
+        reference_opt.apply_gradients(zip(grads, reference.trainable_variables))
+    results["loop_" + name] = [
+        int(opt.iterations.numpy()), max_diff(model.get_weights(), reference.get_weights())
+    ]
 
 # compile/fit under the strategy.
 keras.utils.set_random_seed(0)
@@ -683,7 +690,7 @@ def test_mirrored_strategy_two_replicas():
     stdout = run_script(_MIRRORED_SCRIPT, timeout=300, logical_cpus=2)
     line = next(x for x in stdout.splitlines() if x.startswith("RESULTS"))
     results = json.loads(line[len("RESULTS") :])
-    for case in ("loop", "fit"):
+    for case in ("loop_adam", "loop_sgd_clipnorm", "loop_adamw", "loop_schedule", "fit"):
         iterations, diff = results[case]
         assert iterations == 3, case
         assert diff < ATOL, (case, diff)
