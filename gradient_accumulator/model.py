@@ -140,6 +140,14 @@ class GradientAccumulateModel(keras.Model):
         reduce_every_micro_step: bool = False,
         **kwargs,
     ):
+        if "agc" in kwargs:
+            # Keras's functional models ignore unknown keyword arguments, and
+            # the README of gradient_accumulator 0.5 showed this one by mistake.
+            raise ValueError(
+                "`agc` is not an argument: enable adaptive gradient clipping "
+                "with `use_agc=True` (and `clip_factor`, `eps`). Received: "
+                f"agc={kwargs['agc']!r}"
+            )
         self.accum_steps = check_accum_steps(accum_steps)
         self.reduce_every_micro_step = check_bool(
             "reduce_every_micro_step", reduce_every_micro_step

@@ -393,7 +393,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     @property
     def iterations(self):
-        """Updates made: the inner optimizer's ``iterations``."""
+        """The inner optimizer's ``iterations``, which counts updates."""
         return self.inner_optimizer.iterations
 
     @property

@@ -565,3 +565,10 @@ def test_batchnorm_layers_with_other_accum_steps_are_refused():
         r"replace_batchnorm_layers\(model, accum_steps=4\)",
     ):
         model.fit(x, y, batch_size=4, verbose=0)
+
+
+def test_agc_keyword_of_the_old_readme_is_refused():
+    with pytest.raises(
+        ValueError, match=r"`agc` is not an argument.*use_agc=True.*Received: agc=True"
+    ):
+        build_dense(GradientAccumulateModel, accum_steps=2, agc=True)

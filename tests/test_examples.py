@@ -1,0 +1,120 @@
+"""The example scripts: each runs with ``--quick`` in a fresh process and prints what it promises.
+
+The documentation includes code from these scripts (``literalinclude``), so
+these tests are what keeps that code running. Each script runs as a user
+would run it, from the repository root, in its own process (the multi-replica
+example must configure its devices before TensorFlow starts).
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The float32 tolerance of the equivalence tests (tests/helpers.py): the
+# examples print the same comparison with plain Keras at the big batch.
+FLOAT32_ATOL = 1e-6
+
+# Every script in examples/ and the test that runs it (checked below).
+TESTED_EXAMPLES = (
+    "quickstart.py",
+    "custom_loop.py",
+    "mobilenetv2_bn_swap.py",
+    "multi_replica.py",
+)
+
+
+def run_example(name, timeout=300):
+    """Runs ``python examples/<name> --quick`` from the repository root; returns stdout."""
+    completed = subprocess.run(
+        [sys.executable, f"examples/{name}", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    assert completed.returncode == 0, (
+        f"examples/{name} --quick failed ({completed.returncode}):\n"
+        f"{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}"
+    )
+    return completed.stdout
+
+
+def value(pattern, text):
+    """The number captured by ``pattern`` in ``text`` (which must match)."""
+    match = re.search(pattern, text)
+    assert match, f"{pattern!r} not found in:\n{text}"
+    return float(match.group(1))
+
+
+def accuracies(text):
+    return [float(a) for a in re.findall(r"test accuracy, .*: (\d\.\d+)", text)]
+
+
+def test_every_example_is_run_here():
+    scripts = sorted(path.name for path in (ROOT / "examples").glob("*.py"))
+    assert scripts == sorted(TESTED_EXAMPLES)
+
+
+@pytest.mark.slow
+def test_quickstart():
+    pytest.importorskip("sklearn", reason="the examples extra (scikit-learn) is not installed")
+    out = run_example("quickstart.py")
+    assert "Effective batch: 8 micro-batches x 8 samples = 64" in out
+    assert "Epoch 2/2" in out  # Keras's progress bar
+    # 1500 samples, 2 epochs: 188 micro-batches (the last of 4) per epoch,
+    # in groups of 8, as plain Keras's 24 batches of 64 (the last of 28).
+    assert "Micro-steps run: 376; optimizer updates: 48 (plain batch 64: 48)" in out
+    assert value(r"vs plain batch 64: (\S+)", out) < FLOAT32_ATOL
+    assert value(r"vs plain batch 8: +(\S+)", out) > 1e-2  # another run altogether
+    accumulate, big, small = accuracies(out)
+    assert accumulate == big
+
+
+@pytest.mark.slow
+def test_custom_loop():
+    pytest.importorskip("sklearn", reason="the examples extra (scikit-learn) is not installed")
+    out = run_example("custom_loop.py")
+    assert "Effective batch: 8 micro-batches x 8 samples = 64" in out
+    # 1536 samples, 2 epochs: 384 micro-steps, 48 updates, as 48 batches of 64.
+    assert "Micro-steps run: 384; optimizer updates: 48 (plain batch 64: 48)" in out
+    assert value(r"vs plain batch 64: (\S+)", out) < FLOAT32_ATOL
+    accumulate, big = accuracies(out)
+    assert accumulate == big
+
+
+@pytest.mark.slow
+def test_multi_replica():
+    pytest.importorskip("sklearn", reason="the examples extra (scikit-learn) is not installed")
+    out = run_example("multi_replica.py")
+    assert "Replicas: 2; micro-batch: 8 per replica, 16 in all; effective batch: 4 x 16 = 64" in out
+    assert "Epoch 2/2" in out
+    # 1500 samples at 16: 94 micro-steps per epoch, 24 groups (the last of 2).
+    assert value(r"Micro-steps run: (\d+)", out) == 188
+    assert value(r"optimizer updates \(= gradient all-reduces\): (\d+)", out) == 48
+    assert value(r"on one device: (\d+)\)", out) == 48
+    assert value(r"at the effective batch: (\S+)", out) < FLOAT32_ATOL
+    replicas, one_device = accuracies(out)
+    assert replicas == one_device
+
+
+@pytest.mark.slow
+def test_mobilenetv2_bn_swap():
+    out = run_example("mobilenetv2_bn_swap.py")
+    assert (
+        "BatchNormalization layers: 52 in the original, 52 AccumBatchNormalization "
+        "(and 0 BatchNormalization) after the swap"
+    ) in out
+    assert value(r"after the swap: (\S+)", out) <= 1e-6  # lossless conversion
+    assert "Effective batch: 4 micro-batches x 8 samples = 32; input 32x32" in out
+    assert "Epoch 2/2" in out
+    # 128 samples at 8: 16 micro-steps per epoch, 4 updates.
+    assert "Micro-steps run: 32; optimizer updates: 8" in out
+    assert "samples left pending in the BN layers after fit: 0" in out
+    assert 0.0 <= value(r"test accuracy \(moving statistics\): (\S+)", out) <= 1.0
