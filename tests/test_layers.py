@@ -653,6 +653,89 @@ def test_gradient_accumulate_model_first_group_matches_keras_big_batch():
     assert not np.array_equal(before_b[0], _stats(model.get_layer("bn_b"))[0])
 
 
+def test_gradient_accumulate_model_deeper_layer_gets_the_statistics_it_received():
+    """bn_b's input depends on bn_a's per-micro-batch forward pass: compare with
+    the exact statistics of the inputs bn_b actually received in the group."""
+    from gradient_accumulator import GradientAccumulateModel
+
+    accum_steps, micro_batch = 3, 4
+    rng = np.random.default_rng(8)
+    x = rng.normal(1.0, 2.0, (accum_steps * micro_batch, 6, 6, 2)).astype("float32")
+    y = rng.normal(size=(accum_steps * micro_batch, 1)).astype("float32")
+    inputs, outputs = _small_cnn(lambda name: AccumBatchNormalization(accum_steps, name=name))
+    model = GradientAccumulateModel(accum_steps=accum_steps, inputs=inputs, outputs=outputs)
+    model.compile(optimizer="sgd", loss="mse")
+    # A Keras-BN twin with the same weights computes, in training mode, what
+    # bn_b receives for each micro-batch (the weights are fixed within a group).
+    twin = keras.Model(*_small_cnn(keras.layers.BatchNormalization))
+    for source, target in zip(model.layers, twin.layers):
+        target.set_weights(source.get_weights()[: len(target.get_weights())])
+    probe = keras.Model(twin.input, twin.get_layer("bn_b").input)
+    received = np.concatenate(
+        [
+            np.asarray(probe(x[i : i + micro_batch], training=True))
+            for i in range(0, len(x), micro_batch)
+        ]
+    )
+    initial = _stats(model.get_layer("bn_b"))
+    model.fit(x, y, batch_size=micro_batch, epochs=1, shuffle=False, verbose=0)
+    _assert_stats_close(
+        _stats(model.get_layer("bn_b")),
+        _numpy_moving_stats(initial, received, -1, model.get_layer("bn_b").momentum),
+    )
+
+
+def _input_bn_model(accum_steps, momentum=0.5):
+    """AccumBatchNormalization on the raw input: its inputs are the data itself."""
+    from gradient_accumulator import GradientAccumulateModel
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    normalized = AccumBatchNormalization(accum_steps, momentum=momentum, name="bn")(inputs)
+    model = GradientAccumulateModel(
+        accum_steps=accum_steps, inputs=inputs, outputs=keras.layers.Dense(1)(normalized)
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+def test_model_boundary_partial_group_resume_and_predict_in_between(tmp_path):
+    # 11 micro-batches of 4 with accum_steps=4: groups [0:16], [16:32] and the
+    # epoch's last, shorter group [32:44].
+    rng = np.random.default_rng(9)
+    x = (rng.normal(size=(44, 3)) * [1.0, 3.0, 0.5] + np.arange(44)[:, None] / 4.0).astype(
+        "float32"
+    )
+    y = rng.normal(size=(44, 1)).astype("float32")
+    expected = [np.zeros(3), np.ones(3)]
+    for start, stop in ((0, 16), (16, 32), (32, 44)):
+        expected = _numpy_moving_stats(expected, x[start:stop], -1, 0.5)
+
+    class PredictInBetween(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.predict(x[:4], verbose=0)  # must not advance anything
+
+    uninterrupted = _input_bn_model(4)
+    uninterrupted.fit(x, y, batch_size=4, shuffle=False, verbose=0, callbacks=[PredictInBetween()])
+    _assert_stats_close(_stats(uninterrupted.get_layer("bn")), expected)
+    assert float(uninterrupted.get_layer("bn").pending_count.numpy()[0]) == 0.0
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 5:  # two micro-batches into the second group
+                raise KeyboardInterrupt
+
+    first = _input_bn_model(4)
+    with pytest.raises(KeyboardInterrupt):
+        first.fit(x, y, batch_size=4, shuffle=False, verbose=0, callbacks=[Interrupt()])
+    assert float(first.get_layer("bn").pending_count.numpy()[0]) == 8.0
+    path = tf.train.Checkpoint(model=first).save(str(tmp_path / "ckpt"))
+    resumed = _input_bn_model(4)
+    tf.train.Checkpoint(model=resumed).restore(path)
+    resumed.fit(x[24:], y[24:], batch_size=4, shuffle=False, verbose=0)
+    _assert_stats_close(_stats(resumed.get_layer("bn")), expected)
+
+
 # --------------------------------------------------------------------------
 # Across replicas (fresh process: logical devices must be set before TF runs)
 # --------------------------------------------------------------------------
