@@ -1,15 +1,41 @@
-"""Shared benchmark plumbing: argument parsing, side-by-side repeats, JSON and PNG output."""
+"""Shared benchmark plumbing: arguments, models, side-by-side repeats, fresh processes, output.
+
+Every script compares configurations *in the same run* on the same model,
+data, seed and step count, alternating them round after round (the starting
+configuration rotates, so none always runs first), and reports medians over
+rounds of per-round ratios: on a shared, noisy machine absolute times move
+with the load of others, ratios taken side by side much less.
+
+Nothing here imports TensorFlow at module level, so that a parent process that
+only starts fresh children (the memory scripts) stays small.
+"""
 
 import argparse
 import json
 import os
+import re
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+
+# The three ways of training compared everywhere.
+PLAIN = "plain"
+KERAS_BUILTIN = "keras_builtin"
+LIBRARY = "library"
+LABELS = {
+    PLAIN: "plain Keras",
+    KERAS_BUILTIN: "Keras built-in",
+    LIBRARY: "gradient_accumulator",
+}
+
+MB = 1024 * 1024
 
 
 def parser(description):
@@ -19,20 +45,30 @@ def parser(description):
     return p
 
 
+# --- side by side -------------------------------------------------------------
+
+
 def alternate(configurations, run_once, repeats):
     """Runs ``run_once(config)`` for every configuration in turn, ``repeats`` rounds.
 
     Alternating rounds spreads the machine's noise over all configurations, so
-    that ratios taken within a round compare like with like.
+    that ratios taken within a round compare like with like. Round ``r``
+    starts with configuration ``r mod n``, so that no configuration always
+    runs first (just after another one's different memory traffic).
 
     Returns:
-        ``{name: [value per round]}``.
+        ``{name: [value per round]}``, rounds in order.
     """
-    values = {name: [] for name in configurations}
-    for _ in range(repeats):
-        for name, config in configurations.items():
-            values[name].append(run_once(config))
+    names = list(configurations)
+    values = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            values[name].append(run_once(configurations[name]))
     return values
+
+
+def median(values):
+    return statistics.median(values)
 
 
 def median_ratio(numerators, denominators):
@@ -46,6 +82,175 @@ def timed(fn):
     return time.perf_counter() - start
 
 
+# --- models -------------------------------------------------------------------
+# Builders return ``(inputs, outputs)`` of fresh layers; the seed makes every
+# configuration start from identical weights.
+
+
+def dense_model(features=256, width=512, classes=10, seed=0):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((features,))
+    hidden = keras.layers.Dense(width, activation="relu")(inputs)
+    hidden = keras.layers.Dense(width, activation="relu")(hidden)
+    outputs = keras.layers.Dense(classes, activation="softmax")(hidden)
+    return inputs, outputs
+
+
+def mobilenetv2(size, alpha, classes=10, seed=0):
+    """MobileNetV2 from scratch (``weights=None``: nothing is downloaded)."""
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    base = keras.applications.MobileNetV2(
+        input_shape=(size, size, 3), alpha=alpha, weights=None, classes=classes
+    )
+    return base.input, base.output
+
+
+def compiled(flavour, inputs, outputs, accum_steps, jit_compile=False, model_kwargs=None):
+    """``flavour`` in (PLAIN, KERAS_BUILTIN, LIBRARY), compiled with Adam(1e-3).
+
+    PLAIN: ``keras.Model`` (one update per batch). KERAS_BUILTIN: ``keras.Model``
+    with ``Adam(gradient_accumulation_steps=accum_steps)``. LIBRARY:
+    ``GradientAccumulateModel(accum_steps=accum_steps, **model_kwargs)``.
+    """
+    import keras
+
+    from gradient_accumulator import GradientAccumulateModel
+
+    if flavour == LIBRARY:
+        model = GradientAccumulateModel(
+            accum_steps=accum_steps, inputs=inputs, outputs=outputs, **(model_kwargs or {})
+        )
+        optimizer = keras.optimizers.Adam(1e-3)
+    elif flavour in (PLAIN, KERAS_BUILTIN):
+        model = keras.Model(inputs, outputs)
+        steps = accum_steps if flavour == KERAS_BUILTIN else None
+        optimizer = keras.optimizers.Adam(1e-3, gradient_accumulation_steps=steps)
+    else:
+        raise ValueError(f"Unknown flavour {flavour!r}")
+    model.compile(optimizer, "sparse_categorical_crossentropy", jit_compile=jit_compile)
+    return model
+
+
+def classification_data(samples, shape, classes=10, seed=0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(samples, *shape)).astype("float32")
+    y = rng.integers(0, classes, size=(samples,)).astype("int32")
+    return x, y
+
+
+def trainable_parameters(model):
+    import numpy as np
+
+    return int(sum(np.prod(v.shape) for v in model.trainable_variables))
+
+
+# --- timing train steps -------------------------------------------------------
+
+
+def repeating_iterator(x, y, batch_size, strategy=None):
+    """An endless iterator over ``(x, y)`` in batches, the same order for every caller."""
+    import tensorflow as tf
+
+    dataset = (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .batch(batch_size, drop_remainder=True)
+        .repeat()
+        .prefetch(2)
+    )
+    if strategy is not None:
+        dataset = strategy.experimental_distribute_dataset(dataset)
+    return iter(dataset)
+
+
+def time_calls(train_function, iterator, calls):
+    """Times ``calls`` successive train-function calls one by one.
+
+    Returns:
+        ``(wall seconds per call, process CPU seconds over all calls)``. A
+        graph or XLA train function returns once its step has run, so each
+        wall time is that step's.
+    """
+    walls = []
+    cpu = time.process_time()
+    for _ in range(calls):
+        start = time.perf_counter()
+        train_function(iterator)
+        walls.append(time.perf_counter() - start)
+    return walls, time.process_time() - cpu
+
+
+# --- fresh processes and memory -----------------------------------------------
+
+
+def logical_cpus(count):
+    """Splits the CPU into ``count`` logical devices; call before TensorFlow starts."""
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * count
+    )
+
+
+def run_child(module, config, timeout=1800):
+    """Runs ``python -m <module> --child '<json>'`` from the repository root.
+
+    The child prints its result as JSON on its last line of stdout.
+
+    Returns:
+        The parsed result.
+    """
+    completed = subprocess.run(
+        [sys.executable, "-m", module, "--child", json.dumps(config)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={
+            **os.environ,
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        },
+    )
+    if completed.returncode != 0:
+        raise RuntimeError(
+            f"`python -m {module} --child` failed ({completed.returncode}) for {config}:\n"
+            f"{completed.stdout[-2000:]}\n{completed.stderr[-4000:]}"
+        )
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def _status_kb(field):
+    with open("/proc/self/status") as f:
+        match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)
+    return int(match.group(1))
+
+
+def rss_mb():
+    """This process's resident set size now, MB."""
+    return _status_kb("VmRSS") / 1024
+
+
+def peak_rss_mb():
+    """This process's peak resident set size since the last :func:`reset_peak_rss`, MB."""
+    return _status_kb("VmHWM") / 1024
+
+
+def reset_peak_rss():
+    """Resets the kernel's peak-RSS mark to the current RSS (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+# --- output -------------------------------------------------------------------
+
+
 def print_table(title, header, rows):
     widths = [max(len(str(x)) for x in column) for column in zip(header, *rows)]
     print(f"\n{title}")
@@ -53,6 +258,7 @@ def print_table(title, header, rows):
     print("  ".join("-" * w for w in widths))
     for row in rows:
         print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))
+    sys.stdout.flush()
 
 
 def save(out, name, payload, plot=None):

@@ -9,12 +9,18 @@ through :func:`current_update_step` while the model's forward pass is traced.
 
 Why the structure: Keras 3's built-in accumulation puts ``optimizer.apply``
 (which all-reduces gradients and calls ``merge_call``) inside a conditional
-in *replica* context, which ``tf.distribute`` forbids. Here every micro-step
-runs the same unconditional ``merge_call``; the apply-or-skip conditional
-runs in *cross-replica* context and re-enters the replicas for the update,
-the pattern of Keras's own ``LossScaleOptimizer``. The sums themselves are
-replica-local (``synchronization="on_read"``), so a micro-step that does not
-update communicates nothing.
+in *replica* context, which MirroredStrategy forbids. Here, under strategies
+that need ``merge_call`` (MirroredStrategy, MultiWorkerMirroredStrategy on
+CPUs), every micro-step runs the same unconditional ``merge_call``; the
+apply-or-skip conditional runs in *cross-replica* context, reduces the sums
+there and re-enters the replicas for the update, the pattern of Keras's own
+``LossScaleOptimizer``. Where collectives may sit in a replica-context
+conditional (no strategy, all-GPU XLA), the conditional stays in the replica.
+Either way the sums are replica-local (``synchronization="on_read"``): a
+micro-step that does not update communicates nothing, and an update makes
+one batched all-reduce of the sums, after which the optimizer is told not to
+reduce again (:func:`gradient_accumulator.distribute.gradients_already_reduced`)
+so that clipping sees the global gradient.
 """
 
 import contextlib
