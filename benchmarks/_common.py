@@ -153,16 +153,20 @@ def trainable_parameters(model):
 # --- timing train steps -------------------------------------------------------
 
 
-def repeating_iterator(x, y, batch_size, strategy=None):
-    """An endless iterator over ``(x, y)`` in batches, the same order for every caller."""
+def batches(x, y, batch_size):
+    """``(x, y)`` as a dataset of batches (the last one may be short), in order."""
     import tensorflow as tf
 
-    dataset = (
-        tf.data.Dataset.from_tensor_slices((x, y))
-        .batch(batch_size, drop_remainder=True)
-        .repeat()
-        .prefetch(2)
-    )
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+
+
+def repeating_iterator(x, y, batch_size, strategy=None):
+    """An endless iterator over ``batches(x, y, batch_size)``, the same order for every caller.
+
+    Its elements have the signature of ``fit(batches(...))``'s, so a train
+    function traced by that ``fit`` runs on it without tracing again.
+    """
+    dataset = batches(x, y, batch_size).repeat().prefetch(2)
     if strategy is not None:
         dataset = strategy.experimental_distribute_dataset(dataset)
     return iter(dataset)
@@ -185,6 +189,47 @@ def time_calls(train_function, iterator, calls):
     return walls, time.process_time() - cpu
 
 
+def step_times(models, x, y, batch_size, accum_steps, rounds, groups, strategy=None):
+    """Times every model's micro-steps side by side; the core of the timing scripts.
+
+    Each model is warmed up first (excluded): a ``fit`` on ``(x, y)``, which
+    must hold a whole number of groups of ``accum_steps`` batches (it traces),
+    then two groups of calls on an endless iterator over the same batches.
+    Then the models take turns (see
+    :func:`alternate`), each running ``groups`` whole groups of
+    ``train_function`` calls per round, every call timed.
+
+    Returns:
+        ``{name: {"wall": [mean seconds per micro-step, per round], "cpu":
+        [process CPU seconds per micro-step, per round], "by_position":
+        [median seconds of the i-th micro-step of a group, i < accum_steps]}}``.
+        With accumulation, positions ``0 .. k-2`` only accumulate and ``k-1``
+        is the update step.
+    """
+    if len(x) % (accum_steps * batch_size):
+        raise ValueError("`x` must hold a whole number of groups of batches.")
+    iterators = {}
+    for name, model in models.items():
+        model.fit(batches(x, y, batch_size), epochs=1, shuffle=False, verbose=0)
+        iterators[name] = repeating_iterator(x, y, batch_size, strategy)
+        time_calls(model.train_function, iterators[name], 2 * accum_steps)
+    calls = groups * accum_steps
+    raw = alternate(
+        {name: name for name in models},
+        lambda name: time_calls(models[name].train_function, iterators[name], calls),
+        rounds,
+    )
+    results = {}
+    for name, runs in raw.items():
+        walls = [w for ws, _ in runs for w in ws]
+        results[name] = {
+            "wall": [statistics.fmean(ws) for ws, _ in runs],
+            "cpu": [c / calls for _, c in runs],
+            "by_position": [statistics.median(walls[i::accum_steps]) for i in range(accum_steps)],
+        }
+    return results
+
+
 # --- fresh processes and memory -----------------------------------------------
 
 
@@ -198,32 +243,47 @@ def logical_cpus(count):
     )
 
 
-def run_child(module, config, timeout=1800):
-    """Runs ``python -m <module> --child '<json>'`` from the repository root.
-
-    The child prints its result as JSON on its last line of stdout.
+def start_child(module, config):
+    """Starts ``python -m <module> --child '<json>'`` from the repository root.
 
     Returns:
-        The parsed result.
+        A handle for :func:`child_result`.
     """
-    completed = subprocess.run(
+    process = subprocess.Popen(
         [sys.executable, "-m", module, "--child", json.dumps(config)],
         cwd=ROOT,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         env={
             **os.environ,
             "TF_CPP_MIN_LOG_LEVEL": "2",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         },
     )
-    if completed.returncode != 0:
+    return process, module, config
+
+
+def child_result(handle, timeout=1800):
+    """Waits for a child; returns the JSON it printed on its last line of stdout."""
+    process, module, config = handle
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise
+    if process.returncode != 0:
         raise RuntimeError(
-            f"`python -m {module} --child` failed ({completed.returncode}) for {config}:\n"
-            f"{completed.stdout[-2000:]}\n{completed.stderr[-4000:]}"
+            f"`python -m {module} --child` failed ({process.returncode}) for {config}:\n"
+            f"{stdout[-2000:]}\n{stderr[-4000:]}"
         )
-    return json.loads(completed.stdout.strip().splitlines()[-1])
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def run_child(module, config, timeout=1800):
+    """Runs ``python -m <module> --child '<json>'`` to completion; returns its JSON result."""
+    return child_result(start_child(module, config), timeout=timeout)
 
 
 def _status_kb(field):

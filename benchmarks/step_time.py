@@ -29,7 +29,6 @@ from benchmarks._common import (
     LABELS,
     LIBRARY,
     PLAIN,
-    alternate,
     classification_data,
     compiled,
     dense_model,
@@ -37,9 +36,8 @@ from benchmarks._common import (
     mobilenetv2,
     parser,
     print_table,
-    repeating_iterator,
     save,
-    time_calls,
+    step_times,
 )
 
 ACCUM_STEPS = 4
@@ -70,46 +68,26 @@ def measure(kind, mode, rounds, groups, micro_batch):
         flavour: compiled(flavour, *builder(), ACCUM_STEPS, jit_compile=mode == "jit")
         for flavour in FLAVOURS
     }
-    iterators = {}
-    for flavour, model in models.items():
-        # Warm-up, excluded: trace and compile (the fit and the first calls on
-        # this iterator's signature); ends on a group boundary.
-        model.fit(x, y, batch_size=micro_batch, epochs=1, shuffle=False, verbose=0)
-        iterators[flavour] = repeating_iterator(x, y, micro_batch)
-        time_calls(model.train_function, iterators[flavour], 2 * ACCUM_STEPS)
-    assert int(models[LIBRARY]._accumulator.micro_step.numpy()) == 0, "not on a group boundary"
-
-    calls = groups * ACCUM_STEPS
-    results = alternate(
-        {f: f for f in FLAVOURS},
-        lambda f: time_calls(models[f].train_function, iterators[f], calls),
-        rounds,
-    )
-    wall = {f: [float(np.mean(w)) for w, _ in results[f]] for f in FLAVOURS}
-    cpu = {f: [c / calls for _, c in results[f]] for f in FLAVOURS}
-    # Position of each call in its group: 0 .. k-2 only accumulate, k-1 updates.
-    by_position = {
-        f: np.median(np.array([w for w, _ in results[f]]).reshape(-1, ACCUM_STEPS), axis=0)
-        for f in FLAVOURS
-    }
-    plain_step = float(np.median([w for w, _ in results[PLAIN]]))
+    times = step_times(models, x, y, micro_batch, ACCUM_STEPS, rounds, groups)
+    plain_step = float(np.median(times[PLAIN]["by_position"]))
     record = {
         "model": kind,
         "mode": mode,
         "micro_batch": micro_batch,
         "rounds": rounds,
-        "micro_steps_per_round": calls,
-        "plain_ms_per_micro_step": 1e3 * float(np.median(wall[PLAIN])),
-        "cpu_ms_per_micro_step": {f: 1e3 * float(np.median(cpu[f])) for f in FLAVOURS},
+        "micro_steps_per_round": groups * ACCUM_STEPS,
+        "plain_ms_per_micro_step": 1e3 * float(np.median(times[PLAIN]["wall"])),
+        "cpu_ms_per_micro_step": {f: 1e3 * float(np.median(times[f]["cpu"])) for f in FLAVOURS},
     }
     for f in (KERAS_BUILTIN, LIBRARY):
-        record[f"{f}_over_plain"] = median_ratio(wall[f], wall[PLAIN])
-        record[f"{f}_over_plain_cpu"] = median_ratio(cpu[f], cpu[PLAIN])
-        record[f"{f}_accumulate_only_over_plain"] = (
-            float(np.median(by_position[f][:-1])) / plain_step
-        )
-        record[f"{f}_update_step_over_plain"] = float(by_position[f][-1]) / plain_step
-    record["ms_per_micro_step_by_round"] = {f: [1e3 * v for v in wall[f]] for f in FLAVOURS}
+        position = times[f]["by_position"]
+        record[f"{f}_over_plain"] = median_ratio(times[f]["wall"], times[PLAIN]["wall"])
+        record[f"{f}_over_plain_cpu"] = median_ratio(times[f]["cpu"], times[PLAIN]["cpu"])
+        record[f"{f}_accumulate_only_over_plain"] = float(np.median(position[:-1])) / plain_step
+        record[f"{f}_update_step_over_plain"] = position[-1] / plain_step
+    record["ms_per_micro_step_by_round"] = {
+        f: [1e3 * v for v in times[f]["wall"]] for f in FLAVOURS
+    }
     return record
 
 
@@ -165,8 +143,12 @@ def main():
         labels = [f"{r['model']}\n{r['mode']}" for r in payload]
         xs = np.arange(len(labels))
         for offset, flavour in ((-0.2, KERAS_BUILTIN), (0.2, LIBRARY)):
-            ax.bar(xs + offset, [r[f"{flavour}_over_plain"] for r in payload], 0.4,
-                   label=LABELS[flavour])
+            ax.bar(
+                xs + offset,
+                [r[f"{flavour}_over_plain"] for r in payload],
+                0.4,
+                label=LABELS[flavour],
+            )
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(xs, labels)
         ax.set_ylabel("time per micro-step / plain")

@@ -1,0 +1,225 @@
+"""Cross-replica reductions, bytes and time per update under MirroredStrategy (2 logical CPUs).
+
+One fresh process (this script) splits the CPU into two logical devices and
+trains the same dense model (same seed, data and steps) under
+``tf.distribute.MirroredStrategy`` with
+``gradient_accumulator.distribute.CountingCrossDeviceOps``, which counts the
+batched cross-replica reductions that actually run and the bytes of one
+replica's values they carry:
+
+- plain Keras at the micro-batch (one all-reduce of the gradients per step);
+- ``GradientAccumulateModel(accum_steps=k)`` (one all-reduce per update: the
+  float32 sums and the weight sum, batched);
+- ``GradientAccumulateModel(accum_steps=k, reduce_every_micro_step=True)``
+  (an all-reduce every micro-step, as plain data parallelism);
+- Keras's built-in ``Adam(gradient_accumulation_steps=k)``, which fails under
+  MirroredStrategy (keras-team/keras issue 20582): it is tried, and the error's
+  first line is reported.
+
+Figures are per ``k`` micro-batches (the samples of one accumulated update;
+plain Keras makes ``k`` updates on them). Times: each configuration's
+``train_function`` runs ``k`` micro-steps per turn on an endless distributed
+iterator, configurations alternating round after round (warm-up excluded);
+medians over rounds, and ratios to plain taken within each round.
+
+Run: ``python -m benchmarks.communication`` (``--quick`` for CI: a small model,
+few rounds, figures meaningless).
+"""
+
+import re
+
+from benchmarks._common import (
+    KERAS_BUILTIN,
+    LABELS,
+    LIBRARY,
+    PLAIN,
+    alternate,
+    logical_cpus,
+    median,
+    median_ratio,
+    parser,
+    print_table,
+    save,
+)
+
+ACCUM_STEPS = 4
+REPLICAS = 2
+EVERY_MICRO_STEP = "library_every_micro_step"
+NAMES = {
+    PLAIN: "plain Keras (micro-batch)",
+    LIBRARY: "library, once per update",
+    EVERY_MICRO_STEP: "library, reduce_every_micro_step",
+    KERAS_BUILTIN: "Keras built-in",
+}
+
+
+def _first_line(error):
+    """``Type: first line`` of an error, the cause's first sentence added if Keras wrapped it."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(error).splitlines()]
+    lines = [line for line in lines if line] or [""]
+    text = f"{type(error).__name__}: {lines[0]}"
+    if lines[0].startswith("Exception encountered when calling") and len(lines) > 1:
+        text += " " + lines[1].split(". ")[0].rstrip(".") + "."
+    return text
+
+
+def main():
+    args = parser(__doc__.splitlines()[0]).parse_args()
+    logical_cpus(REPLICAS)  # before anything else starts TensorFlow's devices
+
+    import numpy as np
+    import tensorflow as tf
+
+    from benchmarks._common import (
+        classification_data,
+        compiled,
+        dense_model,
+        repeating_iterator,
+        time_calls,
+        trainable_parameters,
+    )
+    from gradient_accumulator.distribute import CountingCrossDeviceOps
+
+    quick = args.quick
+    width, rounds, micro_batch = (64, 3, 8) if quick else (1024, 60, 16)
+    global_batch = REPLICAS * micro_batch
+    x, y = classification_data(2 * ACCUM_STEPS * global_batch, (256,))
+    counter = CountingCrossDeviceOps()
+    devices = [f"/cpu:{i}" for i in range(REPLICAS)]
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=counter)
+    assert strategy.num_replicas_in_sync == REPLICAS
+
+    def counted():
+        return int(counter.reductions.numpy()), int(counter.bytes.numpy())
+
+    models, iterators, crashes = {}, {}, {}
+    for name, flavour, kwargs in [
+        (PLAIN, PLAIN, None),
+        (LIBRARY, LIBRARY, None),
+        (EVERY_MICRO_STEP, LIBRARY, {"reduce_every_micro_step": True}),
+        (KERAS_BUILTIN, KERAS_BUILTIN, None),
+    ]:
+        with strategy.scope():
+            model = compiled(flavour, *dense_model(width=width), ACCUM_STEPS, model_kwargs=kwargs)
+        try:
+            # Warm-up, excluded: trace (two groups' worth, ends on a group boundary).
+            model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0)
+        except Exception as error:  # noqa: BLE001 - any failure is the finding
+            crashes[name] = _first_line(error)
+            print(f"{NAMES[name]} crashes: {crashes[name]}", flush=True)
+            continue
+        models[name] = model
+        iterators[name] = repeating_iterator(x, y, global_batch, strategy)
+        time_calls(model.train_function, iterators[name], 2 * ACCUM_STEPS)  # new signature
+
+    params = trainable_parameters(models[PLAIN])
+
+    # Counting: one group of k micro-steps per configuration, nothing else running.
+    counts = {}
+    for name, model in models.items():
+        before = counted()
+        updates_before = int(model.optimizer.iterations.numpy())
+        time_calls(model.train_function, iterators[name], ACCUM_STEPS)
+        after = counted()
+        counts[name] = {
+            "reductions": after[0] - before[0],
+            "bytes": after[1] - before[1],
+            "updates": int(model.optimizer.iterations.numpy()) - updates_before,
+        }
+
+    results = alternate(
+        {name: name for name in models},
+        lambda name: sum(time_calls(models[name].train_function, iterators[name], ACCUM_STEPS)[0]),
+        rounds,
+    )
+    record = {}
+    for name in NAMES:
+        if name in crashes:
+            record[name] = {"crashes": crashes[name]}
+            continue
+        c = counts[name]
+        record[name] = {
+            **c,
+            "reductions_per_update": c["reductions"] / c["updates"],
+            "mb_per_update": c["bytes"] / c["updates"] / 2**20,
+            "ms_per_k_micro_batches": 1e3 * median(results[name]),
+            "time_over_plain": median_ratio(results[name], results[PLAIN]),
+            "ms_per_k_micro_batches_by_round": [1e3 * t for t in results[name]],
+        }
+
+    rows = []
+    for name, r in record.items():
+        if "crashes" in r:
+            rows.append([NAMES[name], "crashes", "", "", "", "", "", ""])
+            continue
+        rows.append(
+            [
+                NAMES[name],
+                r["updates"],
+                r["reductions"],
+                f"{r['bytes'] / 2**20:.2f}",
+                f"{r['reductions_per_update']:.0f}",
+                f"{r['mb_per_update']:.2f}",
+                f"{r['ms_per_k_micro_batches']:.1f}",
+                f"{r['time_over_plain']:.3f}",
+            ]
+        )
+    print_table(
+        f"cross-replica communication per k={ACCUM_STEPS} micro-batches "
+        f"({REPLICAS} replicas x {micro_batch} samples each), MirroredStrategy on "
+        f"{REPLICAS} logical CPUs, dense model of {params} parameters "
+        f"({4 * params / 2**20:.2f} MB of float32 gradients); times: median of "
+        f"{rounds} alternating rounds",
+        [
+            "configuration",
+            "updates",
+            "all-reduces",
+            "MB reduced",
+            "all-reduces / update",
+            "MB / update",
+            "ms",
+            "time / plain",
+        ],
+        rows,
+    )
+
+    def plot(ax):
+        names = [n for n in NAMES if n not in crashes]
+        xs = np.arange(len(names))
+        bars = ax.bar(xs, [record[n]["bytes"] / 2**20 for n in names], 0.6)
+        for bar, n in zip(bars, names):
+            ax.annotate(
+                f"{record[n]['reductions']} all-reduce(s)\n"
+                f"{record[n]['time_over_plain']:.2f}x time",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize="small",
+            )
+        ax.set_xticks(xs, [NAMES[n].replace(", ", ",\n") for n in names], fontsize="small")
+        ax.set_ylabel(f"MB all-reduced per {ACCUM_STEPS} micro-batches")
+        title = f"Communication, {REPLICAS} replicas, k={ACCUM_STEPS}"
+        if KERAS_BUILTIN in crashes:
+            title += f" ({LABELS[KERAS_BUILTIN]}: crashes)"
+        ax.set_title(title, fontsize="medium")
+        ax.margins(y=0.25)
+
+    save(
+        args.out,
+        "communication" + ("_quick" if quick else ""),
+        {
+            "accum_steps": ACCUM_STEPS,
+            "replicas": REPLICAS,
+            "micro_batch_per_replica": micro_batch,
+            "trainable_parameters": params,
+            "gradient_mb": 4 * params / 2**20,
+            "rounds": rounds,
+            "quick": quick,
+            "results": record,
+        },
+        plot,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""The benchmark scripts: each runs its ``--quick`` mode in a fresh process and writes its files.
+
+Timing claims live in the benchmarks, not in tests; these tests only keep the
+scripts running (``--quick`` sizes are tiny and their figures meaningless):
+each script is run as a user would, ``python -m benchmarks.<name> --quick``
+from the repository root, with ``--out`` in ``tmp_path``, and must write its
+JSON and PNG files with the keys its documentation promises.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Every script in benchmarks/ (checked below) and the keys of its JSON file:
+# top level, then those of every entry of its per-configuration results.
+EXPECTED = {
+    "step_time": (
+        {"accum_steps", "micro_batch", "quick", "goal", "results"},
+        {
+            "model",
+            "mode",
+            "plain_ms_per_micro_step",
+            "keras_builtin_over_plain",
+            "library_over_plain",
+            "library_over_plain_cpu",
+            "library_accumulate_only_over_plain",
+            "library_update_step_over_plain",
+            "rounds",
+        },
+    ),
+    "memory": (
+        {
+            "model",
+            "accum_steps",
+            "micro_batch",
+            "repeats",
+            "trainable_parameters",
+            "accumulators_mb",
+            "allowed_over_plain_b_mb",
+            "goal_met",
+            "results",
+        },
+        {"peak_mb", "baseline_mb", "extra_mb", "extra_over_plain_b", "tf_extra_mb"},
+    ),
+    "memory_vs_batch": (
+        {"model", "micro_batch", "effective_batches", "repeats", "headline", "results"},
+        {"flavour", "effective_batch", "batch", "accum_steps", "peak_mb", "extra_mb"},
+    ),
+    "communication": (
+        {"accum_steps", "replicas", "trainable_parameters", "rounds", "results"},
+        None,  # checked in the test: crashed configurations hold only "crashes"
+    ),
+    "bn_overhead": (
+        {"accum_steps", "widths", "micro_batch", "goal", "single_device", "mirrored"},
+        {"mode", "accum_over_keras", "accumulate_only_over_keras", "update_step_over_keras"},
+    ),
+}
+
+
+def run_quick(name, out):
+    completed = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{name}", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    assert completed.returncode == 0, (
+        f"benchmarks.{name} --quick failed ({completed.returncode}):\n"
+        f"{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}"
+    )
+    return completed.stdout
+
+
+def load_outputs(name, out):
+    json_path, png_path = out / f"{name}_quick.json", out / f"{name}_quick.png"
+    assert json_path.is_file(), sorted(p.name for p in out.iterdir())
+    assert png_path.is_file() and png_path.stat().st_size > 1000
+    payload = json.loads(json_path.read_text())
+    assert payload["quick"] is True
+    return payload
+
+
+def entries(payload):
+    results = payload["results"]
+    return list(results.values()) if isinstance(results, dict) else results
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """``quick(name)`` runs ``benchmarks.<name> --quick`` once per module: (stdout, JSON)."""
+    runs = {}
+
+    def run(name):
+        if name not in runs:
+            out = tmp_path_factory.mktemp(name)
+            stdout = run_quick(name, out)
+            runs[name] = stdout, load_outputs(name, out)
+        return runs[name]
+
+    return run
+
+
+def test_every_benchmark_is_run_here():
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.stem.startswith("_")}
+    assert scripts == set(EXPECTED)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_quick_run_writes_its_figures(quick, name):
+    stdout, payload = quick(name)
+    assert "wrote " in stdout
+    top, per_entry = EXPECTED[name]
+    assert top <= set(payload), top - set(payload)
+    if per_entry is None:
+        return
+    results = payload["single_device"] if name == "bn_overhead" else entries(payload)
+    assert results
+    for entry in results:
+        assert per_entry <= set(entry), per_entry - set(entry)
+
+
+@pytest.mark.slow
+def test_bn_overhead_reports_the_mirrored_comparison(quick):
+    _, payload = quick("bn_overhead")
+    mirrored = payload["mirrored"]
+    assert mirrored["replicas"] == 2
+    assert set(mirrored["synchronized_over_not"]) == {"keras_bn", "accum_bn"}
+    assert set(mirrored["accum_over_keras"]) == {"False", "True"}
+
+
+@pytest.mark.slow
+def test_communication_counts_reductions_and_reports_the_builtin_crash(quick):
+    stdout, payload = quick("communication")
+    results = payload["results"]
+    k = payload["accum_steps"]
+    gradient_bytes = 4 * payload["trainable_parameters"]
+    # Counted, so exact even in --quick: over k micro-batches plain Keras
+    # all-reduces k times, the library once (the float32 sums and the weight
+    # sum, batched), and reduce_every_micro_step k times.
+    assert results["plain"]["reductions"] == k
+    assert results["plain"]["bytes"] == k * gradient_bytes
+    assert results["library"]["reductions"] == 1
+    assert results["library"]["updates"] == 1
+    assert results["library"]["bytes"] == gradient_bytes + 4
+    assert results["library_every_micro_step"]["reductions"] == k
+    for name in ("plain", "library", "library_every_micro_step"):
+        assert results[name]["ms_per_k_micro_batches"] > 0
+        assert results[name]["time_over_plain"] > 0
+    # keras-team/keras issue 20582: if Keras fixes it, this fails and says so.
+    assert set(results["keras_builtin"]) == {"crashes"}
+    assert "merge_call" in results["keras_builtin"]["crashes"]
+    assert "crashes" in stdout
