@@ -76,6 +76,15 @@ def median_ratio(numerators, denominators):
     return statistics.median(a / b for a, b in zip(numerators, denominators))
 
 
+def ratio_quartiles(numerators, denominators):
+    """``[25th, 75th]`` percentiles over rounds of the per-round ratio: the noise."""
+    ratios = [a / b for a, b in zip(numerators, denominators)]
+    if len(ratios) < 2:
+        return [ratios[0], ratios[0]]
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return [q1, q3]
+
+
 def timed(fn):
     start = time.perf_counter()
     fn()

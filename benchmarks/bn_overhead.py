@@ -32,6 +32,7 @@ from benchmarks._common import (
     median_ratio,
     parser,
     print_table,
+    ratio_quartiles,
     run_child,
     save,
     start_child,
@@ -98,6 +99,9 @@ def single_device(quick):
                 "keras_bn_ms_per_micro_step": 1e3 * median(times[KERAS_BN]["wall"]),
                 "accum_bn_ms_per_micro_step": 1e3 * median(times[ACCUM_BN]["wall"]),
                 "accum_over_keras": median_ratio(times[ACCUM_BN]["wall"], times[KERAS_BN]["wall"]),
+                "accum_over_keras_quartiles": ratio_quartiles(
+                    times[ACCUM_BN]["wall"], times[KERAS_BN]["wall"]
+                ),
                 "accum_over_keras_cpu": median_ratio(
                     times[ACCUM_BN]["cpu"], times[KERAS_BN]["cpu"]
                 ),
@@ -177,6 +181,7 @@ def main():
             "Keras BN ms",
             "AccumBN ms",
             "AccumBN / Keras BN wall (cpu)",
+            "quartiles",
             "accumulate-only",
             "update step",
         ],
@@ -186,6 +191,7 @@ def main():
                 f"{r['keras_bn_ms_per_micro_step']:.2f}",
                 f"{r['accum_bn_ms_per_micro_step']:.2f}",
                 f"{r['accum_over_keras']:.3f} ({r['accum_over_keras_cpu']:.3f})",
+                "{:.2f}-{:.2f}".format(*r["accum_over_keras_quartiles"]),
                 f"{r['accumulate_only_over_keras']:.3f}",
                 f"{r['update_step_over_keras']:.3f}",
             ]

@@ -132,6 +132,7 @@ def main():
         )
         ax.set_xscale("log", base=2)
         ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("effective batch size")
         ax.set_ylabel("memory training adds (MB, peak RSS)")
         ax.set_title(f"Effective batch {largest} in the memory of {micro_batch}")

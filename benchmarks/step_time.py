@@ -36,6 +36,7 @@ from benchmarks._common import (
     mobilenetv2,
     parser,
     print_table,
+    ratio_quartiles,
     save,
     step_times,
 )
@@ -82,6 +83,9 @@ def measure(kind, mode, rounds, groups, micro_batch):
     for f in (KERAS_BUILTIN, LIBRARY):
         position = times[f]["by_position"]
         record[f"{f}_over_plain"] = median_ratio(times[f]["wall"], times[PLAIN]["wall"])
+        record[f"{f}_over_plain_quartiles"] = ratio_quartiles(
+            times[f]["wall"], times[PLAIN]["wall"]
+        )
         record[f"{f}_over_plain_cpu"] = median_ratio(times[f]["cpu"], times[PLAIN]["cpu"])
         record[f"{f}_accumulate_only_over_plain"] = float(np.median(position[:-1])) / plain_step
         record[f"{f}_update_step_over_plain"] = position[-1] / plain_step
@@ -113,6 +117,7 @@ def main():
             f"{r['plain_ms_per_micro_step']:.2f}",
             f"{r['keras_builtin_over_plain']:.3f} ({r['keras_builtin_over_plain_cpu']:.3f})",
             f"{r['library_over_plain']:.3f} ({r['library_over_plain_cpu']:.3f})",
+            "{:.2f}-{:.2f}".format(*r["library_over_plain_quartiles"]),
             f"{r['library_accumulate_only_over_plain']:.3f}",
             f"{r['library_update_step_over_plain']:.3f}",
             f"{r['keras_builtin_accumulate_only_over_plain']:.3f}",
@@ -131,6 +136,7 @@ def main():
             "plain ms/step",
             "built-in/plain wall (cpu)",
             "library/plain wall (cpu)",
+            "library/plain quartiles",
             "library accumulate-only",
             "library update step",
             "built-in accumulate-only",
