@@ -265,7 +265,10 @@ class GradientAccumulator(tf.Module):
                     )
                 )
             else:
-                acc.assign_add(ops.cast(grad, "float32"))
+                # The TensorFlow variable's own assign_add adds in place;
+                # Keras's `Variable.assign_add` is `assign(self + value)`,
+                # which allocates a new sum every micro-step.
+                acc.value.assign_add(ops.cast(grad, "float32"))
         self.weight_sum.assign_add(weight)
         self.micro_step.assign_add(1)
         # Trace-time structure, not state: which variables get a gradient at
