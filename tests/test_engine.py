@@ -12,9 +12,7 @@ def _ops_using(graph, variable):
     handle = variable.value.handle
     internal = [inside for outside, inside in graph.captures if outside is handle]
     return sorted(
-        op.type
-        for op in graph.get_operations()
-        if any(t is i for t in op.inputs for i in internal)
+        op.type for op in graph.get_operations() if any(t is i for t in op.inputs for i in internal)
     )
 
 
