@@ -48,6 +48,13 @@ def batch_moments(x, axes, mask=None):
     mean: ``sum((x - mean) ** 2) - count * residual ** 2``, clamped at 0)
     are reduced.
 
+    Gradients flow to ``x`` through ``mean`` and ``m2`` only: the mean
+    inside the deviations and the residual are held constant, because their
+    derivatives are zero in exact arithmetic (the deviations from the mean
+    sum to zero, so ``d m2 / d mean = -2 * sum(x - mean) = 0`` and
+    ``d residual / d x = 0``). This is what ``tf.nn.moments`` does for the
+    mean, and it spares the backward pass two reductions over ``x``.
+
     Args:
         x: Tensor of any float dtype (cast to float32).
         axes: List of ints, the axes reduced over (every axis but the
@@ -66,17 +73,17 @@ def batch_moments(x, axes, mask=None):
         # Sums divided by the count (not `ops.mean`): an empty batch, e.g. a
         # replica's shard of a short last batch, gives zeros, not NaN.
         mean = _divide_or_zero(ops.sum(x, axis=axes, keepdims=True), count)
-        deviation = x - mean
-        residual = _divide_or_zero(ops.sum(deviation, axis=axes), count)
+        deviation = x - ops.stop_gradient(mean)
+        residual = ops.stop_gradient(_divide_or_zero(ops.sum(deviation, axis=axes), count))
         squares = ops.sum(ops.square(deviation), axis=axes)
         count = ops.broadcast_to(count, ops.shape(residual))
     else:
         count = ops.sum(ops.cast(mask, _STATS_DTYPE), axis=axes, keepdims=True)
         total = ops.sum(ops.where(mask, x, 0.0), axis=axes, keepdims=True)
         mean = _divide_or_zero(total, count)
-        deviation = ops.where(mask, x - mean, 0.0)
+        deviation = ops.where(mask, x - ops.stop_gradient(mean), 0.0)
         count = ops.squeeze(count, axis=axes)
-        residual = _divide_or_zero(ops.sum(deviation, axis=axes), count)
+        residual = ops.stop_gradient(_divide_or_zero(ops.sum(deviation, axis=axes), count))
         squares = ops.sum(ops.square(deviation), axis=axes)
     m2 = ops.maximum(squares - count * ops.square(residual), 0.0)
     return count, ops.squeeze(mean, axis=axes), residual, m2

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from gradient_accumulator import engine
 from gradient_accumulator.layers import AccumBatchNormalization
-from tests.helpers import MEASURED, run_script
+from tests.helpers import MEASURED, assert_close, run_script
 
 # Keras ships its BatchNormalization tests and its layer test harness only
 # under `keras.src`; no public route reaches them. Used here, nowhere else.
@@ -198,6 +198,30 @@ def test_any_rank_and_axis_matches_keras(case):
     plain(whole, training=True)
     _assert_stats_close(_stats(accum), _stats(plain))
     _assert_stats_close(_stats(accum), _numpy_moving_stats(initial, whole, axis, momentum=0.5))
+
+
+# Training output and its gradients: those of Keras BN on the micro-batch.
+# float32 gradients of O(1) values through the normalization: ~1e-6; 1e-5
+# absolute leaves room for the different (exact) order of the reductions.
+GRADIENT_ATOL = 1e-5
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
+def test_training_gradients_match_keras_on_the_micro_batch(masked):
+    rng = np.random.default_rng(4)
+    x = tf.constant(rng.normal(3.0, 2.0, (6, 5, 3)).astype("float32"))
+    mask = tf.constant(rng.uniform(size=(6, 5)) < 0.7) if masked else None
+    upstream = tf.constant(rng.normal(size=(6, 5, 3)).astype("float32"))
+    accum, plain = _built_pair((None, 5, 3), 4)
+    results = []
+    for layer in (accum, plain):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            out = layer(x, mask=mask, training=True)
+            loss = tf.reduce_sum(out * upstream)
+        grads = tape.gradient(loss, [x, layer.gamma, layer.beta])
+        results.append([np.asarray(t) for t in (out, *grads)])
+    assert_close(results[0], results[1], atol=GRADIENT_ATOL)
 
 
 @pytest.mark.parametrize(
