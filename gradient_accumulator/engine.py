@@ -114,7 +114,7 @@ class GradientAccumulator(tf.Module):
     which is the gradient of the mean loss over the concatenated group,
     whatever the micro-batch sizes. The caller provides ``w_i * g_i`` directly
     by differentiating ``w_i * loss_i`` (one scalar multiply in the backward
-    pass), so accumulating costs one ``assign_add`` per variable.
+    pass), so accumulating costs one in-place ``assign_add`` per variable.
 
     A group ends after ``accum_steps`` micro-steps, or earlier when
     ``steps_to_boundary`` (set by the caller, e.g. to the micro-steps left in
@@ -347,9 +347,9 @@ class GradientAccumulator(tf.Module):
         The sums are zeroed in place (``s + (-s)`` is exactly 0 for finite
         ``s``), so they keep the buffers they were created with. Assigning
         new zero tensors instead moved every sum into a fresh buffer at each
-        update, scattered among the activations' memory, and TensorFlow's
-        allocator then needed another region: about 130 MB more peak memory
-        on MobileNetV2 (``python -m benchmarks.memory``).
+        update, and TensorFlow's allocator then grew by a region (most likely
+        because the new buffers landed among the activations' memory): about
+        130 MB more peak memory on MobileNetV2 (``python -m benchmarks.memory``).
 
         Args:
             check_finite: Boolean. ``True`` where training goes on after a
