@@ -63,6 +63,49 @@ def test_mirrored_two_replicas_equals_one_device_big_batch(mirrored_results, opt
     assert result["diff"] < FLOAT32_ATOL, result
 
 
+MIRRORED_MIXED_FLOAT16 = """
+import json
+import numpy as np
+import tensorflow as tf
+import keras
+from gradient_accumulator import GradientAccumulateModel
+from tests.helpers import build_dense, make_regression_data, max_abs_diff
+
+keras.mixed_precision.set_global_policy("mixed_float16")
+x, y = make_regression_data(num_samples=64)
+x[10, 0] = 1e5  # overflows float16 in the first group's first micro-batch
+reference = build_dense()
+reference.compile(keras.optimizers.Adam(0.01), "mse")
+reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    model = build_dense(GradientAccumulateModel, accum_steps=2)
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+sums = [np.asarray(v.numpy()) for v in model._accumulator.gradient_sums]
+print(json.dumps({
+    "diff": max_abs_diff(reference.get_weights(), model.get_weights()),
+    "scales": [float(m.optimizer.dynamic_scale.numpy()) for m in (reference, model)],
+    "iterations": [int(m.optimizer.iterations.numpy()) for m in (reference, model)],
+    "sums_finite": bool(all(np.all(np.isfinite(s)) for s in sums)),
+}))
+"""
+
+
+@pytest.mark.slow
+def test_mirrored_mixed_float16_with_an_overflow_equals_one_device():
+    # Under a LossScaleOptimizer a group with an overflowed micro-batch is
+    # skipped and its sums (inf/NaN on a replica) must be emptied for the next
+    # group: the replica-local reset path, with 2 replicas.
+    result = json.loads(run_script(MIRRORED_MIXED_FLOAT16, logical_cpus=2).strip().splitlines()[-1])
+    # Each epoch's first group overflows: skipped twice, the scale halved twice.
+    assert result["scales"][0] == result["scales"][1] == 2.0**13, result
+    assert result["iterations"][0] == result["iterations"][1] == 2, result
+    assert result["sums_finite"], result
+    # float16 compute; see FLOAT16_ATOL in test_model.py.
+    assert result["diff"] < 2e-3, result
+
+
 COUNTED_FIT = """
 import json
 import tensorflow as tf
