@@ -367,11 +367,8 @@ class GradientAccumulator(tf.Module):
                 acc.value.assign_add(ops.negative(acc.value))
 
         def overwrite():
-            # A zero known only at run time: TensorFlow folds `zeros(shape)`
-            # into a constant the size of the sum.
-            zero = self.weight_sum.value * 0.0
             for acc in sums:
-                acc.value.assign(ops.full(acc.shape, zero))
+                acc.assign(ops.zeros(acc.shape, acc.dtype))
 
         if check_finite and sums:
             total = ops.sum(ops.stack([ops.sum(acc.value) for acc in sums]))

@@ -10,11 +10,14 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import keras
 import numpy as np
 
 from gradient_accumulator import GradientAccumulateModel
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # float32: both runs compute the same sums in a different order, so weights
 # differ by a few ulps (observed <= 1.2e-7 on weights of magnitude ~1).
@@ -174,6 +177,27 @@ tf.config.set_logical_device_configuration(
 """
 
 
+def run_python(args, timeout=600, env=None, label=None):
+    """Runs ``python *args`` from the repository root in a fresh process; returns its stdout.
+
+    Fails the test, with both outputs, if the process fails. ``label`` names
+    the run in that message (default: the arguments).
+    """
+    completed = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})},
+    )
+    assert completed.returncode == 0, (
+        f"{label or ' '.join(args)} failed ({completed.returncode}):\n"
+        f"{completed.stdout}\n{completed.stderr}"
+    )
+    return completed.stdout
+
+
 def run_script(source, timeout=600, env=None, logical_cpus=None):
     """Runs ``source`` in a fresh Python process; returns its stdout.
 
@@ -184,16 +208,4 @@ def run_script(source, timeout=600, env=None, logical_cpus=None):
     source = textwrap.dedent(source)
     if logical_cpus:
         source = _LOGICAL_CPUS.format(count=logical_cpus) + source
-    full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
-    result = subprocess.run(
-        [sys.executable, "-c", source],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=full_env,
-    )
-    if result.returncode != 0:
-        raise AssertionError(
-            f"script failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
-        )
-    return result.stdout
+    return run_python(["-c", source], timeout=timeout, env=env, label="script")

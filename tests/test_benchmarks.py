@@ -8,14 +8,10 @@ JSON and PNG files with the keys its documentation promises.
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT, run_python
 
 # Every script in benchmarks/ (checked below) and the keys of its JSON file:
 # top level, then those of every entry of its per-configuration results.
@@ -64,19 +60,7 @@ EXPECTED = {
 
 
 def run_quick(name, out):
-    completed = subprocess.run(
-        [sys.executable, "-m", f"benchmarks.{name}", "--quick", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-    )
-    assert completed.returncode == 0, (
-        f"benchmarks.{name} --quick failed ({completed.returncode}):\n"
-        f"{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}"
-    )
-    return completed.stdout
+    return run_python(["-m", f"benchmarks.{name}", "--quick", "--out", str(out)], timeout=300)
 
 
 def load_outputs(name, out):

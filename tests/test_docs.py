@@ -10,14 +10,12 @@ about Keras that need two devices or two workers.
 import json
 import re
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_script, run_workers
+from tests.helpers import ROOT, run_script, run_workers
 from tests.test_examples import TESTED_EXAMPLES
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.rglob("*.rst"))
 PAGE_IDS = [str(page.relative_to(DOCS)) for page in PAGES]

@@ -6,19 +6,13 @@ would run it, from the repository root, in its own process (the multi-replica
 example must configure its devices before TensorFlow starts).
 """
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
-# The float32 tolerance of the equivalence tests (tests/helpers.py): the
-# examples print the same comparison with plain Keras at the big batch.
-FLOAT32_ATOL = 1e-6
+# The examples print the same comparison with plain Keras at the big batch as
+# the equivalence tests, so they share its float32 tolerance.
+from tests.helpers import FLOAT32_ATOL, ROOT, run_python
 
 # Every script in examples/ and the test that runs it (checked below).
 TESTED_EXAMPLES = (
@@ -31,19 +25,7 @@ TESTED_EXAMPLES = (
 
 def run_example(name, timeout=300):
     """Runs ``python examples/<name> --quick`` from the repository root; returns stdout."""
-    completed = subprocess.run(
-        [sys.executable, f"examples/{name}", "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-    )
-    assert completed.returncode == 0, (
-        f"examples/{name} --quick failed ({completed.returncode}):\n"
-        f"{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}"
-    )
-    return completed.stdout
+    return run_python([f"examples/{name}", "--quick"], timeout=timeout)
 
 
 def value(pattern, text):
