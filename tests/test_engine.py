@@ -53,8 +53,8 @@ def _accumulator_with_sums(values):
 
 def test_reset_zeroes_the_sums_in_place():
     # New zero tensors would give the sums fresh buffers at every update,
-    # scattered among the activations (~130 MB more peak memory on
-    # MobileNetV2, benchmarks/memory.py): reset only adds in place.
+    # which cost ~100 MB more peak memory on MobileNetV2
+    # (benchmarks/memory.py): reset only adds in place.
     values = [np.array([1.5, -2.0, 3e38], "float32"), np.full((2, 2), -7.25, "float32")]
     accumulator = _accumulator_with_sums(values)
     reset = tf.function(accumulator.reset)
