@@ -5,7 +5,16 @@ from gradient_accumulator._backend import check_backend
 check_backend()
 
 from gradient_accumulator._version import __version__  # noqa: E402
-from gradient_accumulator.agc import adaptive_clip_gradients  # noqa: E402
+
+# adaptive_clip_grad, compute_norm, unitwise_norm: names that
+# gradient_accumulator 0.5 exported here, kept importable; calling one raises
+# with the way to do it now (see docs/migration.rst). Not in __all__.
+from gradient_accumulator.agc import (  # noqa: E402, F401
+    adaptive_clip_grad,
+    adaptive_clip_gradients,
+    compute_norm,
+    unitwise_norm,
+)
 from gradient_accumulator.distribute import average_batchnorm_statistics  # noqa: E402
 from gradient_accumulator.layers import AccumBatchNormalization  # noqa: E402
 from gradient_accumulator.model import GradientAccumulateModel  # noqa: E402

@@ -1,14 +1,46 @@
 """Adaptive gradient clipping (AGC), unit-wise, as in NFNets (Brock et al., 2021)."""
 
+import keras
 import tensorflow as tf
 from keras import ops
 
-from gradient_accumulator.validation import check_positive_float
+from gradient_accumulator.validation import check_bool, check_positive_float
 
 # Floor under a gradient norm before dividing by it. Only reached when the
 # gradient is (nearly) zero, where the clipping branch is not taken anyway;
 # it keeps the unused branch of `ops.where` free of inf/NaN.
 _NORM_FLOOR = 1e-12
+
+
+# The defaults of `clip_factor` and `eps` everywhere (NFNets' values).
+DEFAULT_CLIP_FACTOR = 0.01
+DEFAULT_EPS = 1e-3
+
+
+def check_agc_arguments(use_agc, clip_factor, eps):
+    """Validates the AGC arguments of a wrapper; returns them normalised.
+
+    ``clip_factor`` and ``eps`` only act with ``use_agc=True``: a value other
+    than the default without it (AGC believed on while it is off) is refused.
+
+    Returns:
+        ``(use_agc, clip_factor, eps)`` as ``(bool, float, float)``.
+    """
+    use_agc = check_bool("use_agc", use_agc)
+    clip_factor = check_positive_float("clip_factor", clip_factor)
+    eps = check_positive_float("eps", eps)
+    if not use_agc:
+        for name, value, default in (
+            ("clip_factor", clip_factor, DEFAULT_CLIP_FACTOR),
+            ("eps", eps, DEFAULT_EPS),
+        ):
+            if value != default:
+                raise ValueError(
+                    f"`{name}` only acts with `use_agc=True` (adaptive gradient "
+                    f"clipping); pass `use_agc=True` too, or leave `{name}` out. "
+                    f"Received: {name}={value!r}, use_agc=False"
+                )
+    return use_agc, clip_factor, eps
 
 
 def _unit_axes(rank):
@@ -30,7 +62,7 @@ def _unit_axes(rank):
     return tuple(range(rank - 1))
 
 
-def unitwise_norm(x):
+def _unitwise_norm(x):
     """L2 norm of each unit of ``x``, broadcastable against ``x``, in float32.
 
     Args:
@@ -45,11 +77,11 @@ def unitwise_norm(x):
     return ops.sqrt(ops.sum(ops.square(x), axis=axes, keepdims=axes is not None))
 
 
-def adaptive_clip_gradients(grads, variables, clip_factor=0.01, eps=1e-3):
+def adaptive_clip_gradients(grads, variables, clip_factor=DEFAULT_CLIP_FACTOR, eps=DEFAULT_EPS):
     """Clips each unit of each gradient relative to the norm of its weights.
 
     For every unit ``u`` (one output channel of a kernel, a whole bias or
-    other vector; see :func:`unitwise_norm`) of a variable ``W`` with gradient
+    other vector: the norm runs over all axes but the last) of a variable ``W`` with gradient
     ``G``::
 
         max_norm_u = clip_factor * max(||W_u||, eps)
@@ -63,6 +95,10 @@ def adaptive_clip_gradients(grads, variables, clip_factor=0.01, eps=1e-3):
 
     The NFNets paper does not clip the final classifier layer; pass only the
     ``(grads, variables)`` pairs you want clipped to reproduce that.
+
+    The argument order is the reverse of gradient_accumulator 0.5's
+    ``adaptive_clip_grad(parameters, gradients)``; variables passed as
+    ``grads`` are refused.
 
     Args:
         grads: List of gradient tensors (``None`` entries are passed through;
@@ -93,6 +129,7 @@ def adaptive_clip_gradients(grads, variables, clip_factor=0.01, eps=1e-3):
     eps = check_positive_float("eps", eps)
     grads = list(grads)
     variables = list(variables)
+    _check_not_swapped(grads)
     if len(grads) != len(variables):
         raise ValueError(
             "`grads` and `variables` must have the same length. Received: "
@@ -109,10 +146,60 @@ def _clip_unitwise(grad, variable, clip_factor, eps):
         # Unit norms need every row of the unit; there is no sparse shortcut.
         grad = tf.convert_to_tensor(grad)
     dtype = grad.dtype
-    max_norm = clip_factor * ops.maximum(unitwise_norm(variable), eps)
-    grad_norm = unitwise_norm(grad)
+    max_norm = clip_factor * ops.maximum(_unitwise_norm(variable), eps)
+    grad_norm = _unitwise_norm(grad)
     scale = max_norm / ops.maximum(grad_norm, _NORM_FLOOR)
     grad32 = ops.cast(grad, "float32")
     clipped = ops.where(grad_norm > max_norm, grad32 * scale, grad32)
     # `where` keeps in-bound units exactly: cast(cast(g, f32), dtype) == g.
     return ops.cast(clipped, dtype)
+
+
+def _check_not_swapped(grads):
+    """Refuses variables in ``grads``: the 0.5 order ``(parameters, gradients)``."""
+    swapped = [g for g in grads if isinstance(g, (tf.Variable, keras.Variable))]
+    if swapped:
+        raise ValueError(
+            "`grads` holds variables, not gradients: the arguments are "
+            "`adaptive_clip_gradients(grads, variables)`, the reverse of "
+            "gradient_accumulator 0.5's `adaptive_clip_grad(parameters, gradients)`. "
+            f"Received: grads=[{swapped[0].name!r}, ...] ({len(swapped)} variables)"
+        )
+
+
+def _removed_in_this_release(name, instead):
+    """A function of gradient_accumulator 0.5 that now raises, saying what to use."""
+
+    def removed(*args, **kwargs):
+        raise ValueError(
+            f"`{name}` of gradient_accumulator 0.5 is gone: {instead} "
+            f"Received: {name}(...) with {len(args)} positional and "
+            f"{len(kwargs)} keyword argument(s)"
+        )
+
+    removed.__name__ = name
+    removed.__doc__ = f"Removed: raises a ValueError saying {instead}"
+    return removed
+
+
+# The 0.5 names, importable as before (`gradient_accumulator.agc.X` and
+# `gradient_accumulator.X`), each raising with the way to do it now. Not
+# aliases: 0.5's argument order was the reverse, and its norm of rank-3
+# tensors ran over axis 0 only (1.0: all axes but the last).
+adaptive_clip_grad = _removed_in_this_release(
+    "adaptive_clip_grad",
+    "use `adaptive_clip_gradients(grads, variables, clip_factor, eps)` (note the "
+    "reversed argument order; rank-3 kernels such as Conv1D's are clipped per "
+    "output channel), or `use_agc=True` on GradientAccumulateModel / "
+    "GradientAccumulateOptimizer, which clip the accumulated gradient.",
+)
+unitwise_norm = _removed_in_this_release(
+    "unitwise_norm",
+    "`adaptive_clip_gradients` computes unit norms itself (over all axes but the "
+    "last; 0.5 used axis 0 only for rank-3 tensors). For a norm of your own, use "
+    "`keras.ops.norm`.",
+)
+compute_norm = _removed_in_this_release(
+    "compute_norm",
+    "use `keras.ops.sqrt(keras.ops.sum(keras.ops.square(x), axis=axis, keepdims=keepdims))`.",
+)

@@ -148,6 +148,11 @@ def average_batchnorm_statistics(model):
     Returns:
         Integer, the number of layers averaged (0 without a strategy).
     """
+    if not isinstance(model, keras.Model):
+        raise ValueError(
+            "`model` must be a Keras model created under the strategy's scope. "
+            f"Received: model={model!r} of type {type(model).__name__}"
+        )
     strategy = model.distribute_strategy
     layers = [
         layer

@@ -14,7 +14,11 @@ from gradient_accumulator._moments import (
     variance_from_moments,
 )
 from gradient_accumulator.engine import current_update_step
-from gradient_accumulator.validation import check_accum_steps
+from gradient_accumulator.validation import (
+    check_accum_steps,
+    check_positive_float,
+    check_unit_interval,
+)
 
 # Name of every variable this layer adds to Keras BatchNormalization's, in
 # creation (and therefore `weights`) order.
@@ -86,8 +90,9 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
       its own ``is_update_step`` after the forward pass, so every
       ``AccumBatchNormalization`` updates on the model's update steps, and a
       layer called several times per step pools all its calls of the group.
-      The model's ``accum_steps`` then decides, not this layer's (which only
-      has to be ``> 1`` to enable the pending state).
+      The layer's ``accum_steps`` must equal the model's: the model refuses
+      any other value when it is created (or, for a subclassed model, when
+      it first trains).
 
     **State.** ``build()`` creates Keras BatchNormalization's variables
     (``gamma``, ``beta``, ``moving_mean``, ``moving_variance``, first in
@@ -135,7 +140,8 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             counts from the end; ``1`` for ``channels_first`` images).
             Default ``-1``.
         momentum: Float in ``[0, 1]``, momentum of the moving averages, applied
-            once per update. Default ``0.99``.
+            once per update. Default ``0.99``, Keras's (gradient_accumulator
+            0.5 defaulted to ``0.9``).
         epsilon: Float > 0 added to the variance before dividing. Default
             ``1e-3``.
         center: Boolean, whether to add the learned offset ``beta``. Default
@@ -226,6 +232,10 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
     ):
         accum_steps = check_accum_steps(accum_steps)
         axis = _check_axis_type(axis)
+        # Keras takes any number here; a momentum outside [0, 1] or a
+        # non-positive epsilon trains on without a word.
+        momentum = check_unit_interval("momentum", momentum)
+        epsilon = check_positive_float("epsilon", epsilon)
         if renorm and accum_steps > 1:
             raise ValueError(
                 "`renorm=True` cannot be combined with `accum_steps > 1`: "

@@ -8,17 +8,43 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from gradient_accumulator.agc import adaptive_clip_gradients
+from gradient_accumulator.agc import adaptive_clip_gradients, check_agc_arguments
 from gradient_accumulator.distribute import logs_for_keras
 from gradient_accumulator.engine import GradientAccumulator, update_step_scope
+from gradient_accumulator.optimizer import check_optimizer_does_not_accumulate
 from gradient_accumulator.validation import (
     check_accum_steps,
     check_bool,
-    check_optimizer_does_not_accumulate,
-    check_positive_float,
+    check_keyword_arguments,
 )
 
 _STATE_PREFIX = "accumulator_"
+
+# The wrapper's own constructor arguments, in signature order: the one list
+# that `get_config`, `wrapper_config` and `replace_batchnorm_layers` read.
+_WRAPPER_ARGUMENTS = ("accum_steps", "use_agc", "clip_factor", "eps", "reduce_every_micro_step")
+
+# What `keras.Model` takes besides them: a functional model's `inputs`,
+# `outputs`, `name`, `trainable`, and the keyword arguments of every Keras
+# layer (a subclassed model passes those to `keras.layers.Layer`). Keras's
+# functional constructor drops any other keyword without a word.
+_KERAS_ARGUMENTS = {"inputs", "outputs", "name", "trainable"} | {
+    name
+    for name, parameter in inspect.signature(keras.layers.Layer.__init__).parameters.items()
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+}
+
+# Arguments of gradient_accumulator 0.5 (and a slip of its README) that this
+# wrapper no longer takes, with what to do instead.
+_REMOVED_ARGUMENTS = {
+    "agc": "enable adaptive gradient clipping with `use_agc=True` (and `clip_factor`, `eps`).",
+    "mixed_precision": "set the dtype policy before building the model, "
+    "`keras.mixed_precision.set_global_policy('mixed_float16')`; `compile()` then "
+    "wraps the optimizer in a `LossScaleOptimizer` by itself (an argument of "
+    "gradient_accumulator 0.5).",
+    "experimental_distributed_support": "distribution needs no flag: create and "
+    "compile the model inside `strategy.scope()` (an argument of gradient_accumulator 0.5).",
+}
 
 
 def _batch_size(x):
@@ -103,10 +129,12 @@ class GradientAccumulateModel(keras.Model):
             update, before the optimizer (and its own clipping). Defaults to
             ``False``.
         clip_factor: Float > 0, AGC's largest ratio of a unit's gradient norm
-            to its weight norm. Only used if ``use_agc=True``. Defaults to
+            to its weight norm. Acts only with ``use_agc=True``
+            (another value without it is refused). Defaults to
             ``0.01``.
         eps: Float > 0, AGC's floor on weight norms, so that zero-initialised
-            weights can move. Only used if ``use_agc=True``. Defaults to
+            weights can move. Acts only with ``use_agc=True``
+            (another value without it is refused). Defaults to
             ``1e-3``.
         reduce_every_micro_step: Boolean. Under a ``tf.distribute`` strategy,
             ``False`` (the default) keeps each replica's sums local and
@@ -140,30 +168,30 @@ class GradientAccumulateModel(keras.Model):
         reduce_every_micro_step: bool = False,
         **kwargs,
     ):
-        if "agc" in kwargs:
-            # Keras's functional models ignore unknown keyword arguments, and
-            # the README of gradient_accumulator 0.5 showed this one by mistake.
-            raise ValueError(
-                "`agc` is not an argument: enable adaptive gradient clipping "
-                "with `use_agc=True` (and `clip_factor`, `eps`). Received: "
-                f"agc={kwargs['agc']!r}"
-            )
+        check_keyword_arguments(
+            "GradientAccumulateModel",
+            {k: v for k, v in kwargs.items() if k not in _KERAS_ARGUMENTS},
+            set(_WRAPPER_ARGUMENTS) | _KERAS_ARGUMENTS,
+            _REMOVED_ARGUMENTS,
+        )
         self.accum_steps = check_accum_steps(accum_steps)
         self.reduce_every_micro_step = check_bool(
             "reduce_every_micro_step", reduce_every_micro_step
         )
-        self.use_agc = check_bool("use_agc", use_agc)
-        self.clip_factor = check_positive_float("clip_factor", clip_factor)
-        self.eps = check_positive_float("eps", eps)
+        self.use_agc, self.clip_factor, self.eps = check_agc_arguments(use_agc, clip_factor, eps)
         super().__init__(*args, **kwargs)
         self._accumulator = None
         if self.built:
+            # A functional model is built here: refuse a mismatch now, not at `fit`.
+            self._check_statistics_layers()
             self._ensure_accumulator()
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
         self._check_strategy()
         super().compile(optimizer, *args, **kwargs)
-        check_optimizer_does_not_accumulate(self.optimizer, self.accum_steps)
+        check_optimizer_does_not_accumulate(
+            self.optimizer, self.accum_steps, "GradientAccumulateModel"
+        )
         if self.built:
             self._ensure_accumulator()
 
@@ -263,15 +291,19 @@ class GradientAccumulateModel(keras.Model):
         self._apply_pending_function()
 
     def get_config(self):
-        config = super().get_config()
-        config.update(
-            accum_steps=self.accum_steps,
-            use_agc=self.use_agc,
-            clip_factor=self.clip_factor,
-            eps=self.eps,
-            reduce_every_micro_step=self.reduce_every_micro_step,
-        )
-        return config
+        return {**super().get_config(), **self.wrapper_config()}
+
+    def wrapper_config(self):
+        """The wrapper's own constructor arguments (``accum_steps``, ``use_agc``, ...).
+
+        Part of ``get_config``; ``replace_batchnorm_layers`` re-wraps a
+        converted model with them.
+
+        Returns:
+            Dict of every argument of ``GradientAccumulateModel`` that
+            ``keras.Model`` does not take, by name.
+        """
+        return {name: getattr(self, name) for name in _WRAPPER_ARGUMENTS}
 
     def save_own_variables(self, store):
         super().save_own_variables(store)

@@ -5,9 +5,13 @@ from collections.abc import Callable
 
 import keras
 
-from gradient_accumulator.agc import adaptive_clip_gradients
+from gradient_accumulator.agc import adaptive_clip_gradients, check_agc_arguments
 from gradient_accumulator.engine import GradientAccumulator
-from gradient_accumulator.validation import check_accum_steps, check_bool, check_positive_float
+from gradient_accumulator.validation import (
+    check_accum_steps,
+    check_bool,
+    check_keyword_arguments,
+)
 
 # Arguments of `keras.optimizers.Optimizer` that belong to the inner optimizer:
 # it applies them once per update, which is what accumulation needs.
@@ -58,26 +62,56 @@ def _check_inner_optimizer(optimizer):
             "policy. Received: optimizer=LossScaleOptimizer("
             f"inner_optimizer={type(optimizer.inner_optimizer).__name__})"
         )
-    if isinstance(optimizer, GradientAccumulateOptimizer):
-        raise ValueError(
-            "`optimizer` is already a `GradientAccumulateOptimizer` "
-            f"(accum_steps={optimizer.accum_steps!r}); nesting multiplies the "
-            "micro-steps per update. Use one `GradientAccumulateOptimizer` "
-            "whose `accum_steps` is the product. Received: "
-            "optimizer=GradientAccumulateOptimizer("
-            f"accum_steps={optimizer.accum_steps!r})"
-        )
-    steps = getattr(optimizer, "gradient_accumulation_steps", None)
-    if steps:
-        raise ValueError(
-            "`optimizer` accumulates gradients itself "
-            f"(`gradient_accumulation_steps={steps}`). Create it without "
-            f"`gradient_accumulation_steps` and pass `accum_steps={steps}` to "
-            "`GradientAccumulateOptimizer` instead (learning-rate schedules "
-            "and EMA then count updates, and it works under tf.distribute). "
-            f"Received: optimizer={type(optimizer).__name__}"
-            f"(gradient_accumulation_steps={steps})"
-        )
+
+
+def check_optimizer_does_not_accumulate(optimizer, accum_steps, owner):
+    """Refuses an optimizer that already accumulates gradients.
+
+    The one check for it, used by ``GradientAccumulateModel.compile`` and by
+    ``GradientAccumulateOptimizer``: a second accumulation (Keras's own
+    ``gradient_accumulation_steps``, or a ``GradientAccumulateOptimizer``)
+    would silently multiply the effective batch. ``LossScaleOptimizer`` is
+    looked through.
+
+    Args:
+        optimizer: The Keras optimizer about to be used.
+        accum_steps: The ``accum_steps`` of ``owner`` (for the message).
+        owner: ``"GradientAccumulateModel"`` or ``"GradientAccumulateOptimizer"``,
+            which decides what the message tells the user to do.
+    """
+    in_model = owner == "GradientAccumulateModel"
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    for opt in (optimizer, inner):
+        if isinstance(opt, GradientAccumulateOptimizer):
+            fix = (
+                "compile with `optimizer.inner_optimizer` and keep `accum_steps` on the model"
+                if in_model
+                else "wrap the inner optimizer once, with `accum_steps` the product of both"
+            )
+            raise ValueError(
+                "The optimizer is already a `GradientAccumulateOptimizer` "
+                f"(accum_steps={opt.accum_steps!r}) and `{owner}` accumulates too "
+                f"(`accum_steps={accum_steps!r}`): the effective batch would multiply. "
+                f"Keep one: {fix}. Received: optimizer=GradientAccumulateOptimizer("
+                f"accum_steps={opt.accum_steps!r})"
+            )
+        steps = getattr(opt, "gradient_accumulation_steps", None)
+        if steps:
+            fix = (
+                "create the optimizer without `gradient_accumulation_steps` and set "
+                "`accum_steps` on the model"
+                if in_model
+                else "create it without `gradient_accumulation_steps` and pass "
+                f"`accum_steps={steps}` to `GradientAccumulateOptimizer`"
+            )
+            raise ValueError(
+                "The optimizer accumulates gradients itself "
+                f"(`gradient_accumulation_steps={steps}`) and `{owner}` accumulates too "
+                f"(`accum_steps={accum_steps!r}`): the effective batch would multiply. "
+                f"Keep one: {fix} (exact under tf.distribute, schedules count "
+                f"updates). Received: optimizer={type(opt).__name__}"
+                f"(gradient_accumulation_steps={steps})"
+            )
 
 
 def _check_accum_steps(accum_steps):
@@ -87,31 +121,34 @@ def _check_accum_steps(accum_steps):
     return check_accum_steps(accum_steps)
 
 
-def _check_no_inner_arguments(kwargs):
-    for name in _INNER_ARGUMENTS:
-        if name in kwargs:
-            raise ValueError(
-                f"`GradientAccumulateOptimizer` does not take `{name}`: set it "
-                "on the inner optimizer, which applies it once per update, "
-                f"e.g. `GradientAccumulateOptimizer(keras.optimizers.Adam({name}"
-                f"=...), accum_steps=k)`. Received: {name}={kwargs[name]!r}"
-            )
-    if "gradient_accumulation_steps" in kwargs:
-        steps = kwargs["gradient_accumulation_steps"]
-        raise ValueError(
-            "`GradientAccumulateOptimizer` does not take "
-            "`gradient_accumulation_steps`; pass `accum_steps` instead. "
-            f"Received: gradient_accumulation_steps={steps!r}"
-        )
-    if "reduction" in kwargs:
-        raise ValueError(
-            "`reduction` is no longer an argument: micro-batch gradients are "
-            "always averaged, so that an update equals one step on the "
-            "concatenated batch. Remove the argument. Received: "
-            f"reduction={kwargs['reduction']!r}"
-        )
-    if kwargs:
-        raise ValueError(f"Argument(s) not recognized: {kwargs}")
+# What to do instead of arguments that `GradientAccumulateOptimizer` refuses:
+# the inner optimizer's own arguments, Keras's built-in accumulation, and the
+# arguments of gradient_accumulator 0.5.
+_REFUSED_ARGUMENTS = {
+    **{
+        name: "set it on the inner optimizer, which applies it once per update, "
+        f"e.g. `GradientAccumulateOptimizer(keras.optimizers.Adam({name}=...), "
+        "accum_steps=k)`."
+        for name in _INNER_ARGUMENTS
+    },
+    "lr": "set `learning_rate` on the inner optimizer, e.g. "
+    "`GradientAccumulateOptimizer(keras.optimizers.SGD(learning_rate=...), accum_steps=k)`.",
+    "decay": "Keras 3 optimizers have no `decay`; give the inner optimizer a "
+    "learning-rate schedule, e.g. `keras.optimizers.schedules.InverseTimeDecay`.",
+    "gradient_accumulation_steps": "pass `accum_steps` instead.",
+    "reduction": "micro-batch gradients are always averaged, so that an update "
+    "equals one step on the concatenated batch (in gradient_accumulator 0.5 "
+    "the argument had no effect). Remove the argument.",
+}
+_OWN_ARGUMENTS = (
+    "optimizer",
+    "accum_steps",
+    "use_agc",
+    "clip_factor",
+    "eps",
+    "reduce_every_micro_step",
+    "name",
+)
 
 
 def _is_registered(obj):
@@ -244,10 +281,12 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             applied to the accumulated mean gradient at each update, before
             the inner optimizer. Defaults to ``False``.
         clip_factor: Float > 0, AGC's largest ratio of a unit's gradient norm
-            to its weight norm. Only used if ``use_agc=True``. Defaults to
+            to its weight norm. Acts only with ``use_agc=True``
+            (another value without it is refused). Defaults to
             ``0.01``.
         eps: Float > 0, AGC's floor on weight norms (so that zero-initialised
-            weights can move). Only used if ``use_agc=True``. Defaults to
+            weights can move). Acts only with ``use_agc=True``
+            (another value without it is refused). Defaults to
             ``1e-3``.
         reduce_every_micro_step: Boolean. Under a ``tf.distribute`` strategy,
             ``False`` (the default) keeps each replica's sums local and
@@ -288,13 +327,16 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         name: str | None = None,
         **kwargs,
     ):
-        _check_no_inner_arguments(kwargs)
+        check_keyword_arguments(
+            "GradientAccumulateOptimizer", kwargs, _OWN_ARGUMENTS, _REFUSED_ARGUMENTS
+        )
+        accum_steps = _check_accum_steps(accum_steps)
         inner_optimizer = _resolve_optimizer(optimizer)
         _check_inner_optimizer(inner_optimizer)
-        accum_steps = _check_accum_steps(accum_steps)
-        use_agc = check_bool("use_agc", use_agc)
-        clip_factor = check_positive_float("clip_factor", clip_factor)
-        eps = check_positive_float("eps", eps)
+        check_optimizer_does_not_accumulate(
+            inner_optimizer, accum_steps, "GradientAccumulateOptimizer"
+        )
+        use_agc, clip_factor, eps = check_agc_arguments(use_agc, clip_factor, eps)
         reduce_every_micro_step = check_bool("reduce_every_micro_step", reduce_every_micro_step)
         # The base class needs a learning rate; the inner optimizer's is the
         # one used (see the `learning_rate` property), as in LossScaleOptimizer.

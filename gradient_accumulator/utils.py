@@ -59,6 +59,35 @@ def _check_model(model):
         )
 
 
+def _check_position(position):
+    """Accepts gradient_accumulator 0.5's ``position="replace"``, its only working value."""
+    if position != "replace":
+        raise ValueError(
+            "`position` must be 'replace' (replacing each BatchNormalization in "
+            "place, the only mode gradient_accumulator 0.5 had); leave it out. "
+            f"Received: position={position!r}"
+        )
+
+
+def _check_wrapper_accum_steps(model, accum_steps):
+    """Refuses layers whose ``accum_steps`` would differ from their wrapper's.
+
+    Inside a ``GradientAccumulateModel`` every ``AccumBatchNormalization``
+    must have the model's ``accum_steps`` (the model refuses any other), so a
+    mismatch is refused here, where it would be created, not at ``fit``.
+    """
+    if isinstance(model, GradientAccumulateModel) and model.accum_steps != accum_steps:
+        raise ValueError(
+            f"Model {model.name!r} is a GradientAccumulateModel with "
+            f"`accum_steps={model.accum_steps}`, and the AccumBatchNormalization "
+            "layers inside it must have the same value, so that their moving "
+            "statistics update with the optimizer. Call "
+            f"`replace_batchnorm_layers(model, accum_steps={model.accum_steps})`, "
+            "or convert the unwrapped model and wrap it with the new value. "
+            f"Received: accum_steps={accum_steps}"
+        )
+
+
 def _check_batchnorms_reachable(model):
     """Refuses BatchNormalization layers that graph cloning cannot replace.
 
@@ -255,14 +284,6 @@ class _Rewriter:
                 f"`keras.models.clone_model` rebuilds {rebuilt}.",
                 stacklevel=3,
             )
-        if isinstance(model, GradientAccumulateModel) and model.accum_steps != self.accum_steps:
-            warnings.warn(
-                f"Model {model.name!r} is a GradientAccumulateModel with "
-                f"accum_steps={model.accum_steps}: inside it, the model's "
-                "`accum_steps` decides when the statistics update, not the "
-                f"layers' accum_steps={self.accum_steps}.",
-                stacklevel=3,
-            )
         if not self.replaced:
             warnings.warn(
                 f"Model {model.name!r} has no BatchNormalization layer: "
@@ -298,7 +319,11 @@ class _Rewriter:
 
 
 def replace_batchnorm_layers(
-    model: keras.Model, accum_steps: int, synchronized: bool = False
+    model: keras.Model,
+    accum_steps: int,
+    position: str = "replace",
+    *,
+    synchronized: bool = False,
 ) -> keras.Model:
     """Returns a copy of ``model`` whose BatchNormalization layers accumulate.
 
@@ -332,9 +357,10 @@ def replace_batchnorm_layers(
     as Keras BatchNormalization.
 
     ``model`` itself is not modified. A ``GradientAccumulateModel`` comes back
-    as one, with its own ``accum_steps``, ``use_agc``, ``clip_factor`` and
-    ``eps``. A compiled model comes back compiled with the same compile
-    configuration (a fresh optimizer: optimizer state is not copied). Other
+    as one, with every argument of its own (``wrapper_config()``); its
+    ``accum_steps`` must equal ``accum_steps``. A compiled model comes back
+    compiled with the same compile configuration (a fresh optimizer:
+    optimizer state is not copied). Other
     subclasses of Functional or Sequential models are rebuilt by Keras's
     ``clone_model``, which gives their class's constructor only inputs,
     outputs and name (or makes them plain ``Sequential``), with a warning.
@@ -345,20 +371,22 @@ def replace_batchnorm_layers(
     value and their accumulation state emptied, so calling this twice gives
     the same model), when ``synchronized=False`` turns off a layer's own
     ``synchronized=True``, when a subclass's extra arguments are dropped,
-    when the model is a subclass Keras rebuilds with default arguments, and
-    when a ``GradientAccumulateModel``'s ``accum_steps`` differs from
-    ``accum_steps``.
+    and when the model is a subclass Keras rebuilds with default arguments.
 
     Args:
         model: A Keras Functional or Sequential model (nested models
             included). Subclassed models are refused.
         accum_steps: Integer >= 1, the new layers' ``accum_steps``:
             micro-batches whose statistics make one update of the moving
-            statistics when a layer is used on its own. Inside
-            ``GradientAccumulateModel`` the model's own ``accum_steps``
-            decides when they update (any value > 1 enables the accumulation
-            state); ``1`` gives plain Keras BatchNormalization behaviour.
-        synchronized: Boolean, the new layers' ``synchronized`` flag (for
+            statistics. To train the result with
+            ``GradientAccumulateModel``, give the model's ``accum_steps``
+            (the model refuses layers with another value). ``1`` gives plain
+            Keras BatchNormalization behaviour.
+        position: String, only ``"replace"`` (the default): each
+            BatchNormalization is replaced in place. Kept so that calls
+            written for gradient_accumulator 0.5, which required
+            ``position="replace"``, keep working.
+        synchronized: Boolean (keyword only), the new layers' ``synchronized`` flag (for
             every replaced layer, whatever its own flag was). ``True``: under
             a ``tf.distribute`` strategy with several replicas each training
             call normalizes with, and accumulates, the statistics of the
@@ -377,9 +405,11 @@ def replace_batchnorm_layers(
             instead); if a BatchNormalization sits inside a layer that is
             not a Functional or Sequential model (a custom layer, a wrapper,
             a nested subclassed model), where cloning cannot reach it; if
-            ``accum_steps`` is not an integer >= 1; if ``synchronized`` is
-            not a boolean; if a layer uses ``renorm=True`` and
-            ``accum_steps > 1``.
+            ``accum_steps`` is not an integer >= 1, or differs from the
+            ``accum_steps`` of a ``GradientAccumulateModel`` passed as
+            ``model``; if ``position`` is not ``"replace"``; if
+            ``synchronized`` is not a boolean; if a layer uses
+            ``renorm=True`` and ``accum_steps > 1``.
 
     Example:
 
@@ -409,24 +439,28 @@ def replace_batchnorm_layers(
     """
     _check_model(model)
     accum_steps = check_accum_steps(accum_steps)
+    _check_position(position)
     synchronized = check_bool("synchronized", synchronized)
+    _check_wrapper_accum_steps(model, accum_steps)
     _check_batchnorms_reachable(model)
 
     rewriter = _Rewriter(accum_steps, synchronized)
-    new_model = rewriter.clone(model)
     accumulating = isinstance(model, GradientAccumulateModel)
     if accumulating:
-        # Keras rebuilds it as `GradientAccumulateModel(inputs, outputs,
-        # name=...)`: wrap the same graph again with the wrapper's arguments.
+        # Keras's clone would rebuild it as `GradientAccumulateModel(inputs,
+        # outputs, name=...)`, every wrapper argument at its default: clone a
+        # plain functional view of the same graph (same layers), then wrap the
+        # copy with the wrapper's own arguments.
+        view = keras.Model(inputs=model.input, outputs=model.output, name=model.name)
+        new_model = rewriter.clone(view)
         new_model = GradientAccumulateModel(
             inputs=new_model.input,
             outputs=new_model.output,
             name=model.name,
-            accum_steps=model.accum_steps,
-            use_agc=model.use_agc,
-            clip_factor=model.clip_factor,
-            eps=model.eps,
+            **model.wrapper_config(),
         )
+    else:
+        new_model = rewriter.clone(model)
     rewriter.copy_state(model, new_model)
     if accumulating and model.compiled:
         # After the `trainable` flags: compiling sizes the gradient sums.

@@ -1,5 +1,6 @@
 """Argument validation shared by every public class, with Keras-style messages."""
 
+import difflib
 import math
 import numbers
 
@@ -36,6 +37,17 @@ def check_positive_float(name, value):
     return float(value)
 
 
+def check_unit_interval(name, value):
+    """Returns ``value`` as a ``float`` or raises a ValueError unless it is in [0, 1]."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not 0.0 <= value <= 1.0  # NaN fails too
+    ):
+        raise ValueError(f"`{name}` must be a float in [0, 1]. Received: {name}={value!r}")
+    return float(value)
+
+
 def check_bool(name, value):
     """Returns ``value`` or raises a ValueError naming it unless it is a bool."""
     if not isinstance(value, bool):
@@ -43,36 +55,33 @@ def check_bool(name, value):
     return value
 
 
-def check_optimizer_does_not_accumulate(optimizer, accum_steps):
-    """Refuses an optimizer that accumulates gradients itself.
+def check_keyword_arguments(owner, kwargs, accepted, removed=None):
+    """Refuses keyword arguments that ``owner`` does not take.
 
-    Keras 3 optimizers take ``gradient_accumulation_steps``; combined with this
-    library's accumulation the effective batch would silently multiply.
-    ``LossScaleOptimizer`` is looked through.
+    Args:
+        owner: String, the callable's name as the user writes it.
+        kwargs: Dict of the keyword arguments received beyond the named ones.
+        accepted: Iterable of the argument names ``owner`` takes (used for the
+            "did you mean" suggestion too).
+        removed: Optional dict mapping names that earlier releases (or other
+            libraries) took to a sentence saying what to do instead.
+
+    Raises:
+        ValueError: For the first argument not in ``accepted``, naming it, the
+            closest accepted name or the way to do it now, and its value.
     """
-    # Imported here: optimizer.py imports this module.
-    from gradient_accumulator.optimizer import GradientAccumulateOptimizer
-
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    for opt in (optimizer, inner):
-        if isinstance(opt, GradientAccumulateOptimizer):
+    accepted = set(accepted)
+    removed = removed or {}
+    for name, value in kwargs.items():
+        if name in accepted:
+            continue
+        if name in removed:
             raise ValueError(
-                "The optimizer is a `GradientAccumulateOptimizer` "
-                f"(accum_steps={opt.accum_steps!r}) and this model already "
-                f"accumulates with `accum_steps={accum_steps}`. Keep one: compile "
-                "with `optimizer.inner_optimizer` and keep `accum_steps` on the "
-                "model. Received: optimizer=GradientAccumulateOptimizer("
-                f"accum_steps={opt.accum_steps!r})"
+                f"`{owner}` does not take `{name}`: {removed[name]} Received: {name}={value!r}"
             )
-        steps = getattr(opt, "gradient_accumulation_steps", None)
-        if steps:
-            raise ValueError(
-                "The optimizer accumulates gradients itself "
-                f"(`gradient_accumulation_steps={steps}`), and this model "
-                f"already accumulates with `accum_steps={accum_steps}`. Keep "
-                "one: create the optimizer without "
-                "`gradient_accumulation_steps` and set `accum_steps` on the "
-                "model (exact under tf.distribute, schedules count updates). "
-                "Received: optimizer="
-                f"{type(opt).__name__}(gradient_accumulation_steps={steps})"
-            )
+        close = difflib.get_close_matches(name, sorted(accepted), n=1, cutoff=0.6)
+        hint = f"Did you mean `{close[0]}`? " if close else ""
+        raise ValueError(
+            f"`{owner}` does not take an argument `{name}`. {hint}Its arguments are: "
+            f"{', '.join(sorted(accepted))}. Received: {name}={value!r}"
+        )

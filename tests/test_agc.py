@@ -2,12 +2,13 @@
 
 import doctest
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from gradient_accumulator import agc
-from gradient_accumulator.agc import adaptive_clip_gradients, unitwise_norm
+from gradient_accumulator.agc import _unitwise_norm, adaptive_clip_gradients
 from tests.helpers import numpy_agc
 
 # float32 norms and scaling against a float64 reference: ~1e-7 relative.
@@ -52,15 +53,15 @@ def test_matches_numpynumpy_agc(shape, clip_factor, eps):
 
 
 def test_units_are_output_channels():
-    assert tuple(unitwise_norm(np.ones((3, 3, 2, 5), "float32")).shape) == (
+    assert tuple(_unitwise_norm(np.ones((3, 3, 2, 5), "float32")).shape) == (
         1,
         1,
         1,
         5,
     )
-    assert tuple(unitwise_norm(np.ones((7,), "float32")).shape) == ()
+    assert tuple(_unitwise_norm(np.ones((7,), "float32")).shape) == ()
     kernel = np.array([[3.0, 0.0], [4.0, 1.0]], "float32")
-    np.testing.assert_allclose(np.array(unitwise_norm(kernel)), [[5.0, 1.0]])
+    np.testing.assert_allclose(np.array(_unitwise_norm(kernel)), [[5.0, 1.0]])
 
 
 def test_in_bound_units_are_bit_identical():
@@ -136,3 +137,32 @@ def test_length_mismatch_is_refused():
 def test_docstring_example():
     result = doctest.testmod(agc, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_variables_passed_as_gradients_are_refused():
+    # 0.5's adaptive_clip_grad(parameters, gradients) took the reverse order; a
+    # call ported by renaming alone must not clip the weights by the gradients.
+    variable = keras.Variable(np.ones((2, 2), "float32"), name="kernel")
+    with pytest.raises(
+        ValueError,
+        match=r"`grads` holds variables.*adaptive_clip_grad\(parameters, gradients\).*"
+        r"Received: grads=\['kernel', \.\.\.\] \(1 variables\)",
+    ):
+        adaptive_clip_gradients([variable], [np.ones((2, 2), "float32")])
+
+
+@pytest.mark.parametrize(
+    "name, instead",
+    [
+        ("adaptive_clip_grad", r"adaptive_clip_gradients\(grads, variables"),
+        ("unitwise_norm", r"computes unit norms itself"),
+        ("compute_norm", r"keras\.ops\.sqrt"),
+    ],
+)
+def test_names_of_0_5_raise_with_the_way_to_do_it_now(name, instead):
+    import gradient_accumulator
+
+    for module in (agc, gradient_accumulator):  # both 0.5 import paths
+        function = getattr(module, name)
+        with pytest.raises(ValueError, match=rf"`{name}` of gradient_accumulator 0.5 .*{instead}"):
+            function([np.ones((2,), "float32")], [np.ones((2,), "float32")])

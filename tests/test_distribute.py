@@ -2,6 +2,7 @@
 
 import json
 
+import keras
 import pytest
 
 from tests.helpers import FLOAT32_ATOL, run_script, run_workers
@@ -379,3 +380,12 @@ def test_average_batchnorm_statistics_across_replicas():
     assert result["after_vs_mean"] < 1e-6
     # Equal shards: the average of the moving means is the global one.
     assert result["vs_global"] < 1e-5
+
+
+def test_average_batchnorm_statistics_refuses_what_is_not_a_model():
+    from gradient_accumulator import average_batchnorm_statistics
+
+    with pytest.raises(
+        ValueError, match=r"`model` must be a Keras model.*Received: model=.* of type Dense"
+    ):
+        average_batchnorm_statistics(keras.layers.Dense(1))

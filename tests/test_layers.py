@@ -537,6 +537,24 @@ def test_bad_accum_steps(accum_steps, received):
         AccumBatchNormalization(accum_steps=accum_steps)
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(momentum=1.5), r"`momentum` must be a float in \[0, 1\]\. Received: momentum=1\.5$"),
+        (dict(momentum=-0.1), r"Received: momentum=-0\.1$"),
+        (dict(momentum="0.9"), r"Received: momentum='0\.9'$"),
+        (dict(momentum=float("nan")), r"Received: momentum=nan$"),
+        (dict(epsilon=0.0), r"`epsilon` must be a float > 0\. Received: epsilon=0\.0$"),
+        (dict(epsilon=-1e-3), r"Received: epsilon=-0\.001$"),
+    ],
+    ids=["momentum_gt_1", "momentum_lt_0", "momentum_str", "momentum_nan", "eps_0", "eps_neg"],
+)
+def test_bad_momentum_and_epsilon(kwargs, message):
+    # Keras's BatchNormalization takes these and trains on without a word.
+    with pytest.raises(ValueError, match=message):
+        AccumBatchNormalization(accum_steps=2, **kwargs)
+
+
 def test_axis_must_be_an_integer():
     with pytest.raises(ValueError, match=r"`axis` must be an integer.*Received: axis=\[1, 2\]"):
         AccumBatchNormalization(axis=[1, 2])

@@ -105,8 +105,14 @@ def test_adaptive_gradient_clipping_applies_to_the_accumulated_gradient():
         ({"use_agc": 1}, r"`use_agc` must be a boolean. Received: use_agc=1"),
         ({"clip_factor": 0}, r"`clip_factor` must be a float > 0. Received: clip_factor=0"),
         ({"eps": -1e-3}, r"`eps` must be a float > 0. Received: eps=-0.001"),
+        (
+            {"clip_factor": 0.1},
+            r"`clip_factor` only acts with `use_agc=True`.*"
+            r"Received: clip_factor=0.1, use_agc=False",
+        ),
+        ({"eps": 1e-2}, r"`eps` only acts with.*Received: eps=0.01, use_agc=False"),
     ],
-    ids=["use_agc", "clip_factor", "eps"],
+    ids=["use_agc", "clip_factor", "eps", "clip_factor_without_agc", "eps_without_agc"],
 )
 def test_invalid_agc_arguments_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -548,15 +554,15 @@ def test_apply_accumulated_gradients_after_train_on_batch():
     assert_close(reference.get_weights(), model.get_weights(), FLOAT32_ATOL)
 
 
-def test_batchnorm_layers_with_other_accum_steps_are_refused():
+def test_batchnorm_accum_steps_changed_after_construction_is_refused_at_fit():
     from gradient_accumulator import AccumBatchNormalization
 
-    keras.utils.set_random_seed(0)
     inputs = keras.Input((5,))
-    hidden = AccumBatchNormalization(accum_steps=2, name="bn")(keras.layers.Dense(4)(inputs))
+    hidden = AccumBatchNormalization(accum_steps=4, name="bn")(keras.layers.Dense(4)(inputs))
     model = GradientAccumulateModel(
         accum_steps=4, inputs=inputs, outputs=keras.layers.Dense(1)(hidden)
     )
+    model.get_layer("bn").accum_steps = 2  # what construction could not see
     model.compile("sgd", "mse")
     x, y = make_regression_data(num_samples=16)
     with pytest.raises(
@@ -567,8 +573,53 @@ def test_batchnorm_layers_with_other_accum_steps_are_refused():
         model.fit(x, y, batch_size=4, verbose=0)
 
 
-def test_agc_keyword_of_the_old_readme_is_refused():
-    with pytest.raises(
-        ValueError, match=r"`agc` is not an argument.*use_agc=True.*Received: agc=True"
-    ):
-        build_dense(GradientAccumulateModel, accum_steps=2, agc=True)
+# Keyword arguments that Keras's functional constructor would drop without a
+# word: each must be refused, naming it, what to do and the value received.
+UNKNOWN_KEYWORDS = {
+    "agc_of_the_old_readme": (
+        dict(agc=True),
+        r"does not take `agc`: enable adaptive gradient clipping with `use_agc=True`.*"
+        r"Received: agc=True",
+    ),
+    "typo_accum_step": (
+        dict(accum_step=8),
+        r"does not take an argument `accum_step`\. Did you mean `accum_steps`\?.*"
+        r"Received: accum_step=8",
+    ),
+    "typo_use_acg": (
+        dict(use_acg=True),
+        r"Did you mean `use_agc`\?.*Received: use_acg=True",
+    ),
+    "mixed_precision_of_0.5": (
+        dict(mixed_precision=True),
+        r"does not take `mixed_precision`: .*set_global_policy\('mixed_float16'\).*"
+        r"Received: mixed_precision=True",
+    ),
+    "experimental_distributed_support_of_0.5": (
+        dict(experimental_distributed_support=True),
+        r"needs no flag: create and compile the model inside `strategy.scope\(\)`.*"
+        r"Received: experimental_distributed_support=True",
+    ),
+    "unrelated": (dict(foo=1), r"does not take an argument `foo`\. Its arguments are: .*"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNKNOWN_KEYWORDS))
+def test_unknown_keyword_arguments_are_refused(case):
+    kwargs, message = UNKNOWN_KEYWORDS[case]
+    with pytest.raises(ValueError, match=message):
+        build_dense(GradientAccumulateModel, accum_steps=2, **kwargs)
+
+
+def test_keras_model_arguments_pass_through():
+    model = build_dense(GradientAccumulateModel, accum_steps=2, name="named", trainable=False)
+    assert model.name == "named" and not model.trainable and model.accum_steps == 2
+
+
+def test_batchnorm_with_other_accum_steps_is_refused_at_construction():
+    from gradient_accumulator import AccumBatchNormalization
+
+    inputs = keras.Input((5,))
+    hidden = AccumBatchNormalization(accum_steps=2, name="bn")(keras.layers.Dense(4)(inputs))
+    with pytest.raises(ValueError, match=r"Layer 'bn' has `accum_steps=2`.*`accum_steps=4`"):
+        GradientAccumulateModel(accum_steps=4, inputs=inputs, outputs=keras.layers.Dense(1)(hidden))

@@ -549,6 +549,10 @@ BAD_ARGUMENTS = {
         r"`clip_factor` must be a float > 0. Received: clip_factor='0.1'",
     ),
     "eps_zero": (dict(eps=0.0), r"`eps` must be a float > 0. Received: eps=0.0"),
+    "clip_factor_without_agc": (
+        dict(clip_factor=0.5),
+        r"`clip_factor` only acts with `use_agc=True`.*Received: clip_factor=0.5, use_agc=False",
+    ),
     "eps_nan": (dict(eps=float("nan")), r"`eps` must be a float > 0. Received: eps=nan"),
     "inner_argument": (
         dict(weight_decay=0.1),
@@ -559,7 +563,14 @@ BAD_ARGUMENTS = {
         r"pass `accum_steps` instead. Received: gradient_accumulation_steps=2",
     ),
     "reduction": (dict(reduction="SUM"), r"always averaged.*Received: reduction='SUM'"),
-    "unknown": (dict(foo=1), r"not recognized: \{'foo': 1\}"),
+    "unknown": (dict(foo=1), r"does not take an argument `foo`\. Its arguments.*Received: foo=1"),
+    "typo": (
+        dict(accum_step=4),
+        r"does not take an argument `accum_step`\. Did you mean `accum_steps`\?.*"
+        r"Received: accum_step=4",
+    ),
+    "lr_of_0.5": (dict(lr=0.1), r"set `learning_rate` on the inner optimizer.*Received: lr=0.1"),
+    "decay_of_0.5": (dict(decay=1e-4), r"learning-rate schedule.*Received: decay=0.0001"),
 }
 
 

@@ -536,18 +536,59 @@ def test_gradient_accumulate_model_keeps_its_arguments():
     _assert_same_outputs(wrapped, new, x)
 
 
-def test_gradient_accumulate_model_with_other_accum_steps_warns():
+def test_gradient_accumulate_model_keeps_reduce_every_micro_step():
+    model, _ = _sequential_model()
+    wrapped = GradientAccumulateModel(
+        accum_steps=3,
+        reduce_every_micro_step=True,
+        inputs=model.inputs[0],
+        outputs=model.outputs[0],
+    )
+    new = _convert_quietly(wrapped, accum_steps=3)
+    assert new.wrapper_config() == wrapped.wrapper_config()
+    assert new.reduce_every_micro_step is True
+
+
+def test_gradient_accumulate_model_with_other_accum_steps_is_refused():
     model, _ = _sequential_model()
     wrapped = GradientAccumulateModel(
         accum_steps=3, inputs=model.inputs[0], outputs=model.outputs[0], name="wrapped"
     )
-    with pytest.warns(
-        UserWarning,
-        match=r"accum_steps=3: inside it, the model's .* "
-        r"not the layers' accum_steps=8",
+    with pytest.raises(
+        ValueError,
+        match=r"'wrapped' is a GradientAccumulateModel with `accum_steps=3`.*"
+        r"replace_batchnorm_layers\(model, accum_steps=3\).*Received: accum_steps=8",
     ):
-        new = replace_batchnorm_layers(wrapped, accum_steps=8)
-    assert new.accum_steps == 3 and _batchnorms(new)[0].accum_steps == 8
+        replace_batchnorm_layers(wrapped, accum_steps=8)
+
+
+def test_converted_model_wrapped_with_other_accum_steps_is_refused_at_construction():
+    model, _ = _sequential_model()
+    new = _convert_quietly(model, accum_steps=8)
+    with pytest.raises(ValueError, match=r"has `accum_steps=8` and model .* `accum_steps=4`"):
+        GradientAccumulateModel(accum_steps=4, inputs=new.inputs[0], outputs=new.outputs[0])
+
+
+@pytest.mark.parametrize("call", ["keyword", "positional"])
+def test_position_replace_of_0_5_is_accepted(call):
+    model, x = _sequential_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if call == "keyword":
+            new = replace_batchnorm_layers(model, accum_steps=4, position="replace")
+        else:
+            new = replace_batchnorm_layers(model, 4, "replace")
+    _assert_converted(model, new, accum_steps=4)
+    _assert_same_outputs(model, new, x)
+
+
+@pytest.mark.parametrize("position", ["after", True])
+def test_other_positions_are_refused(position):
+    model, _ = _sequential_model()
+    with pytest.raises(
+        ValueError, match=rf"`position` must be 'replace'.*Received: position={position!r}"
+    ):
+        replace_batchnorm_layers(model, 4, position)
 
 
 class _ScaledOutputModel(keras.Model):
