@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from gradient_accumulator import GradientAccumulateModel
 from tests.helpers import (
+    FLOAT16_ATOL,
     FLOAT32_ATOL,
     MICRO_BATCH,
     assert_close,
@@ -348,12 +349,6 @@ def test_changing_trainable_flags_needs_a_recompile():
     model.fit(x, y, batch_size=MICRO_BATCH, verbose=0)
     assert max_abs_diff(frozen, model.get_layer("hidden").get_weights()) == 0.0
     assert len(model._accumulator.gradient_sums) == 2
-
-
-# Mixed precision: float16 compute rounds the per-micro-batch and the big-batch
-# gradient sums differently (float16 has an 11-bit mantissa); observed weight
-# differences stay below 2e-4 after several updates.
-FLOAT16_ATOL = 2e-3
 
 
 def test_mixed_float16_equals_big_batch(mixed_float16):
