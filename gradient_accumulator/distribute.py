@@ -60,10 +60,13 @@ def gradients_already_reduced(optimizer):
 def supports_collectives_in_conditionals():
     """Whether the current strategy allows all-reduce inside a replica-context cond.
 
-    True with no strategy and for MultiWorkerMirroredStrategy, whose
-    collectives need no ``merge_call``; False for MirroredStrategy. This is
-    the test Keras's own LossScaleOptimizer makes; TensorFlow exposes it only
-    under ``tf.__internal__``.
+    True with no strategy. Under MirroredStrategy and
+    MultiWorkerMirroredStrategy, True only while tracing an XLA-compiled step
+    whose devices are all GPUs; False otherwise (CPUs, or no XLA), where
+    their collectives go through ``merge_call``. False for other strategies
+    (e.g. OneDeviceStrategy). This is the test Keras's own
+    LossScaleOptimizer makes; TensorFlow exposes it only under
+    ``tf.__internal__`` (``strategy_supports_no_merge_call``).
     """
     return tf.__internal__.distribute.strategy_supports_no_merge_call()
 

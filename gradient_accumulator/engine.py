@@ -9,13 +9,17 @@ through :func:`current_update_step` while the model's forward pass is traced.
 
 Why the structure: Keras 3's built-in accumulation puts ``optimizer.apply``
 (which all-reduces gradients and calls ``merge_call``) inside a conditional
-in *replica* context, which MirroredStrategy forbids. Here, under strategies
-that need ``merge_call`` (MirroredStrategy, MultiWorkerMirroredStrategy on
-CPUs), every micro-step runs the same unconditional ``merge_call``; the
+in *replica* context, which MirroredStrategy forbids. Here, wherever
+collectives need ``merge_call`` (MirroredStrategy and
+MultiWorkerMirroredStrategy, unless the step is XLA-compiled and every device
+is a GPU; see
+:func:`gradient_accumulator.distribute.supports_collectives_in_conditionals`),
+every micro-step runs the same unconditional ``merge_call``; the
 apply-or-skip conditional runs in *cross-replica* context, reduces the sums
 there and re-enters the replicas for the update, the pattern of Keras's own
 ``LossScaleOptimizer``. Where collectives may sit in a replica-context
-conditional (no strategy, all-GPU XLA), the conditional stays in the replica.
+conditional (no strategy; either strategy in an XLA-compiled step on GPUs
+only), the conditional stays in the replica.
 Either way the sums are replica-local (``synchronization="on_read"``): a
 micro-step that does not update communicates nothing, and an update makes
 one batched all-reduce of the sums, after which the optimizer is told not to
@@ -127,11 +131,11 @@ class GradientAccumulator(tf.Module):
     - ``weight_sum``: ``sum_i(w_i)``.
     - ``first_batch_size``: ``n_1``, samples in the group's first micro-batch.
     - ``micro_step``: micro-steps accumulated in the current group.
-    - ``steps_to_boundary``: micro-steps left before a forced group end,
-      negative for none. Transient (not saved): the fit loop resets it.
-
     - ``update_count``: updates made through this accumulator (the argument
       of a scheduled ``accum_steps``).
+    - ``steps_to_boundary``: micro-steps left before a forced group end,
+      negative for none. Transient: not in :attr:`state_variables` (so not
+      saved); ``fit`` sets it at every epoch's start.
 
     Args:
         accum_steps: Integer >= 1, micro-steps per update; or a callable
@@ -314,8 +318,9 @@ class GradientAccumulator(tf.Module):
             return
 
         if supports_collectives_in_conditionals():
-            # Collectives need no merge_call here (one device with no
-            # strategy; all-GPU XLA): the conditional stays in replica context.
+            # Collectives need no merge_call here (no strategy, or an
+            # XLA-compiled step on GPUs only): the conditional stays in
+            # replica context.
             def update_in_replica():
                 # The update's one cross-replica reduction: every gradient sum
                 # and the weight sum, batched into a single all-reduce.
@@ -345,12 +350,10 @@ class GradientAccumulator(tf.Module):
         """Empties the group (call in replica context).
 
         The sums are zeroed in place (``s + (-s)`` is exactly 0 for finite
-        ``s``), so they keep the buffers they were created with. Assigning
-        new zero tensors instead moved every sum into a fresh buffer at each
-        update, and TensorFlow's allocator then grew by a region (most likely
-        because the new buffers landed among the activations' memory): about
-        100 MB more peak memory on MobileNetV2 (``python -m benchmarks.memory``:
-        1710 MB before the change, 1610 MB after).
+        ``s``), so each keeps the buffer it was created with for the whole
+        run; assigning new zero tensors would give every sum a fresh buffer
+        at each update, which raises peak memory (the figures are on the
+        benchmarks page of the documentation).
 
         Args:
             check_finite: Boolean. ``True`` where training goes on after a

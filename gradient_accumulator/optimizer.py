@@ -222,19 +222,25 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     gradient of the big batch. (Keras's sparse Adam, given the raw
     ``IndexedSlices`` of the big batch, squares duplicate rows before summing
     them, so it differs slightly on repeated tokens.) Memory: the sum is one
-    dense float32 copy of each embedding table, and an update step makes two
-    more transient ones (the mean gradient, the zeros that reset the sum).
+    dense float32 copy of each embedding table, and an update step makes one
+    more transient copy (the mean gradient); the sum is zeroed in place.
 
     Distribution: call ``apply_gradients`` in replica context (inside
     ``strategy.run``, as Keras's ``fit`` does); micro-steps that do not update
-    communicate nothing, and an update all-reduces the accumulated gradient
-    once, through the inner optimizer.
+    communicate nothing, and an update all-reduces the accumulated sums once,
+    in one batched reduction, after which the inner optimizer applies the
+    global mean without reducing it again (so its clipping sees the global
+    gradient).
 
     Mixed precision: use ``keras.optimizers.LossScaleOptimizer(
     GradientAccumulateOptimizer(...))``, which ``model.compile()`` builds by
-    itself under the ``"mixed_float16"`` policy. Gradients are unscaled before
-    they are accumulated, and a micro-step with non-finite gradients is
-    skipped (not accumulated; the loss scale is halved). Wrapping a
+    itself under the ``"mixed_float16"`` policy. The ``LossScaleOptimizer``
+    unscales and checks every micro-step's gradients before this wrapper sees
+    them: a micro-step with non-finite gradients is dropped (not accumulated;
+    the loss scale is halved) and the group completes one micro-step later.
+    ``GradientAccumulateModel`` differs: it sums the scaled gradients and
+    unscales once per update, so one non-finite micro-batch skips its whole
+    group, as it would skip the big batch's step. Wrapping a
     ``LossScaleOptimizer`` is refused.
 
     Everything else that shapes the update (``learning_rate`` and its
@@ -350,7 +356,15 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self._accumulator = None
 
     def build(self, var_list):
-        """Builds the inner optimizer (unless built) and the accumulation state."""
+        """Builds the inner optimizer (unless built) and the accumulation state.
+
+        Call it eagerly before the first traced step (``fit`` does), so that no
+        variable is created inside a ``tf.function``.
+
+        Args:
+            var_list: The trainable variables, in a fixed order. Later calls
+                of :meth:`apply` may pass gradients for any subset of them.
+        """
         var_list = list(var_list)
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
@@ -429,6 +443,20 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self._accumulator.apply_pending(self._apply_inner, self._trainable_variables)
 
     def apply_gradients(self, grads_and_vars):
+        """Accumulates one micro-step's gradients; on an update step, applies the group's mean.
+
+        The Keras optimizer API: :meth:`apply` with the pairs unzipped.
+
+        Args:
+            grads_and_vars: Iterable of ``(gradient, variable)`` pairs.
+                Gradients may be tensors, ``tf.IndexedSlices`` or ``None``;
+                the variables are a subset of those the optimizer was built
+                with (it is built on the first call).
+
+        Returns:
+            The inner optimizer's ``iterations`` variable, which counts
+            updates.
+        """
         grads, trainable_variables = zip(*grads_and_vars)
         self.apply(grads, trainable_variables)
         return self.iterations
@@ -467,16 +495,38 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     @property
     def variables(self):
+        """Every variable to save: the wrapper's, the inner optimizer's, the accumulation state.
+
+        In that order: this wrapper's two Keras bookkeeping variables, the
+        inner optimizer's variables, then the accumulation state listed under
+        "State" in the class description.
+        """
         state = [] if self._accumulator is None else self._accumulator.state_variables
         return self._variables[:] + self.inner_optimizer.variables + state
 
     def scale_loss(self, loss):
+        """Returns ``loss`` scaled by the inner optimizer's ``loss_scale_factor``.
+
+        ``loss`` unchanged when the factor is ``None`` (the default). Under
+        ``LossScaleOptimizer(GradientAccumulateOptimizer(...))`` call the
+        outer optimizer's ``scale_loss``, which applies the dynamic scale.
+        """
         return self.inner_optimizer.scale_loss(loss)
 
     def finalize_variable_values(self, var_list):
+        """Forwards to the inner optimizer (with ``use_ema``, copies the averages into the weights).
+
+        ``fit`` calls it at the end of training.
+        """
         self.inner_optimizer.finalize_variable_values(var_list)
 
     def get_config(self):
+        """Every constructor argument; the inner optimizer serialized by Keras.
+
+        Raises:
+            ValueError: If ``accum_steps`` is a callable that Keras cannot
+                find again by name (see ``accum_steps``).
+        """
         accum_steps = self.accum_steps
         if callable(accum_steps):
             if not _is_registered(accum_steps):
@@ -500,6 +550,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
+        """Creates the optimizer from :meth:`get_config`'s output."""
         config = dict(config)
         config["optimizer"] = keras.saving.deserialize_keras_object(
             config["optimizer"], custom_objects=custom_objects
