@@ -7,6 +7,7 @@ API coverage check fails when it should, and the claims of the comparison page
 about Keras that need two devices or two workers.
 """
 
+import ast
 import json
 import re
 import sys
@@ -117,6 +118,86 @@ def test_cited_tests_exist():
         assert re.search(rf"^def {name}\(", source.read_text(), re.M), (
             f"{page} cites tests/{path}::{name}, which does not exist"
         )
+
+
+# ------------------------------------------------------------------------
+# The troubleshooting page: every message the package raises, and no other
+# ------------------------------------------------------------------------
+
+TROUBLESHOOTING = DOCS / "troubleshooting.rst"
+PACKAGE = ROOT / "gradient_accumulator"
+
+
+def _normalized(text):
+    return " ".join(text.split())
+
+
+def _literal_parts(node):
+    """The literal text of a message expression, ``None`` for each computed part."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.JoinedStr):
+        return [v.value if isinstance(v, ast.Constant) else None for v in node.values]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _literal_parts(node.left) + _literal_parts(node.right)
+    return [None]
+
+
+def _message_key(node):
+    """A fixed piece of a raised message that any instance of it shows.
+
+    The first literal stretch (between computed values) of at least 12
+    characters, up to its "Received" clause, cut to 40 characters.
+    """
+    stretches, current = [], ""
+    for part in _literal_parts(node):
+        if part is None:
+            stretches.append(current)
+            current = ""
+        else:
+            current += part
+    stretches.append(current)
+    for stretch in stretches:
+        text = _normalized(stretch.split(" Received")[0])
+        if len(text) >= 12:
+            return text[:40]
+    return None
+
+
+def _raised_messages():
+    """``{key: "file:line"}`` for every ``raise SomeError("message...")`` in the package."""
+    keys = {}
+    for path in sorted(PACKAGE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
+                key = _message_key(node.exc.args[0])
+                assert key, f"{path.name}:{node.lineno}: no fixed text in the message"
+                keys[key] = f"{path.name}:{node.lineno}"
+    return keys
+
+
+def test_troubleshooting_covers_every_raised_message():
+    keys = _raised_messages()
+    assert len(keys) > 30
+    page = _normalized(TROUBLESHOOTING.read_text())
+    missing = {where: key for key, where in keys.items() if key not in page}
+    assert not missing, f"messages without an entry on docs/troubleshooting.rst: {missing}"
+    # The sentence every ImportError starts with, versions included.
+    from gradient_accumulator._backend import _SUPPORTED
+
+    assert _normalized(_SUPPORTED) in page
+
+
+def test_troubleshooting_quotes_only_real_messages():
+    keys = _raised_messages()
+    blocks = [body for directive, _, body in _blocks(TROUBLESHOOTING) if directive == "code-block"]
+    assert blocks
+    for body in blocks:
+        for message in "\n".join(body).split("\n\n"):
+            if message.strip():
+                assert any(key in _normalized(message) for key in keys), (
+                    f"not a message the package raises: {message.strip()!r}"
+                )
 
 
 # ------------------------------------------------------------------------
