@@ -7,11 +7,14 @@ inside the package, no download) three ways from the same initial weights:
 2. ``GradientAccumulateModel(accum_steps=8)`` at micro-batch 8,
 3. plain Keras at batch 64 (the batch we want but, in the story, cannot fit).
 
-Run: ``python examples/quickstart.py`` (``--quick`` for a short run).
+Run: ``python examples/quickstart.py`` (``--quick`` for a short run). The last
+line is the verdict: accumulation equals plain batch 64 within float32
+rounding, or a ``FAIL`` line and exit status 1.
 """
 
 import argparse
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -23,6 +26,10 @@ from gradient_accumulator import GradientAccumulateModel  # noqa: E402
 
 MICRO_BATCH = 8
 ACCUM_STEPS = 8
+# The float32 tolerance of the equivalence tests (FLOAT32_ATOL in
+# tests/helpers.py): both runs add the same gradients in another order, so
+# weights differ by a few float32 roundings, far below this.
+TOLERANCE = 1e-6
 
 
 def build(cls=keras.Model, **kwargs):
@@ -48,6 +55,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 epochs (for CI)")
     parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=TOLERANCE,
+        help="largest weight difference from plain batch 64 accepted (default: %(default)s)",
+    )
     args = parser.parse_args()
     epochs = 2 if args.quick else args.epochs
 
@@ -69,8 +82,12 @@ def main():
         epochs,
         verbose=1,
     )
-    small = train(build(), x_train, y_train, MICRO_BATCH, epochs, verbose=0)
+    # The two references, from the same initial weights, without progress bars.
+    print("\nTraining plain Keras at batch 64 (the reference) ...", end=" ", flush=True)
     big = train(build(), x_train, y_train, ACCUM_STEPS * MICRO_BATCH, epochs, verbose=0)
+    print("done.\nTraining plain Keras at batch 8 (for contrast) ...", end=" ", flush=True)
+    small = train(build(), x_train, y_train, MICRO_BATCH, epochs, verbose=0)
+    print("done.")
 
     micro_steps = epochs * -(-len(x_train) // MICRO_BATCH)
     print(
@@ -82,7 +99,8 @@ def main():
     def gap(a, b):
         return max(float(np.max(np.abs(p - q))) for p, q in zip(a.get_weights(), b.get_weights()))
 
-    print(f"max |weight difference| vs plain batch 64: {gap(accumulating, big):.2e}")
+    diff = gap(accumulating, big)
+    print(f"max |weight difference| vs plain batch 64: {diff:.2e}")
     print(f"max |weight difference| vs plain batch 8:  {gap(accumulating, small):.2e}")
     for name, model in [
         ("accumulate 8 x 8", accumulating),
@@ -91,6 +109,20 @@ def main():
     ]:
         _, accuracy = model.evaluate(x_test, y_test, verbose=0)
         print(f"test accuracy, {name:>16}: {accuracy:.4f}")
+
+    same_updates = accumulating.optimizer.iterations.numpy() == big.optimizer.iterations.numpy()
+    if diff < args.tolerance and same_updates:
+        print(
+            "equal to plain batch 64 within float32 rounding: "
+            f"max |diff| {diff:.2e} (tolerance {args.tolerance:.0e})"
+        )
+    else:
+        print(
+            "FAIL: not equal to plain batch 64: "
+            f"max |diff| {diff:.2e} (tolerance {args.tolerance:.0e}), "
+            f"updates {'equal' if same_updates else 'differ'}"
+        )
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ would run it, from the repository root, in its own process (the multi-replica
 example must configure its devices before TensorFlow starts).
 """
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -53,10 +56,41 @@ def test_quickstart():
     # 1500 samples, 2 epochs: 188 micro-batches (the last of 4) per epoch,
     # in groups of 8, as plain Keras's 24 batches of 64 (the last of 28).
     assert "Micro-steps run: 376; optimizer updates: 48 (plain batch 64: 48)" in out
-    assert value(r"vs plain batch 64: (\S+)", out) < FLOAT32_ATOL
+    # Not silent while the references train: each says what it is.
+    assert "Training plain Keras at batch 64 (the reference) ... done." in out
+    assert "Training plain Keras at batch 8 (for contrast) ... done." in out
+    diff = value(r"vs plain batch 64: (\S+)", out)
+    assert diff < FLOAT32_ATOL
     assert value(r"vs plain batch 8: +(\S+)", out) > 1e-2  # another run altogether
     accumulate, big, small = accuracies(out)
     assert accumulate == big
+    # The last line is the verdict, from the figures printed above, at the
+    # tests' own float32 tolerance.
+    verdict = re.fullmatch(
+        r"equal to plain batch 64 within float32 rounding: "
+        r"max \|diff\| (\S+) \(tolerance (\S+)\)",
+        out.strip().splitlines()[-1],
+    )
+    assert verdict, out.strip().splitlines()[-1]
+    assert float(verdict.group(1)) == pytest.approx(diff, rel=1e-2)
+    assert float(verdict.group(2)) == FLOAT32_ATOL
+
+
+@pytest.mark.slow
+def test_quickstart_fails_loudly_outside_the_tolerance():
+    pytest.importorskip("sklearn", reason="the examples extra (scikit-learn) is not installed")
+    completed = subprocess.run(
+        [sys.executable, "examples/quickstart.py", "--quick", "--tolerance", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    assert completed.returncode == 1, completed.stderr[-2000:]
+    last = completed.stdout.strip().splitlines()[-1]
+    assert last.startswith("FAIL: not equal to plain batch 64: max |diff| "), last
+    assert "(tolerance 0e+00)" in last
 
 
 @pytest.mark.slow
