@@ -200,6 +200,19 @@ def test_troubleshooting_quotes_only_real_messages():
                 )
 
 
+def test_changelog_has_a_section_for_this_release():
+    from gradient_accumulator import __version__
+
+    release = re.match(r"\d+\.\d+\.\d+", __version__).group(0)  # "0.6.0" of "0.6.0.dev0"
+    text = (ROOT / "CHANGELOG.md").read_text()
+    section = re.search(rf"^## {re.escape(release)}\b.*?(?=^## |\Z)", text, re.M | re.S)
+    assert section, f"CHANGELOG.md has no section for {release}"
+    for heading in ("Added", "Changed", "Removed", "Fixed"):
+        assert f"### {heading}" in section.group(0), heading
+    for link in re.findall(r"\]\(([^)#]+)\)", text):
+        assert (ROOT / link).exists(), f"CHANGELOG.md links to {link}, which does not exist"
+
+
 # ------------------------------------------------------------------------
 # The build-time API coverage check (docs/_ext/api_coverage.py)
 # ------------------------------------------------------------------------
