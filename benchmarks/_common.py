@@ -35,7 +35,7 @@ LABELS = {
     LIBRARY: "gradient_accumulator",
 }
 
-MB = 1024 * 1024
+MIB = 1024 * 1024
 
 
 def parser(description):
@@ -302,12 +302,12 @@ def _status_kb(field):
 
 
 def rss_mb():
-    """This process's resident set size now, MB."""
+    """This process's resident set size now, MiB."""
     return _status_kb("VmRSS") / 1024
 
 
 def peak_rss_mb():
-    """This process's peak resident set size since the last :func:`reset_peak_rss`, MB."""
+    """This process's peak resident set size since the last :func:`reset_peak_rss`, MiB."""
     return _status_kb("VmHWM") / 1024
 
 

@@ -30,7 +30,7 @@ import time
 from benchmarks._common import (
     KERAS_BUILTIN,
     LIBRARY,
-    MB,
+    MIB,
     PLAIN,
     compiled,
     dense_model,
@@ -80,7 +80,7 @@ def _tf_memory_mb():
     import tensorflow as tf
 
     info = tf.config.experimental.get_memory_info("CPU:0")
-    return info["current"] / MB, info["peak"] / MB
+    return info["current"] / MIB, info["peak"] / MIB
 
 
 def child(config):
@@ -127,7 +127,7 @@ def child(config):
     return {
         **config,
         "params": params,
-        "accumulator_mb": 4 * params / MB,
+        "accumulator_mb": 4 * params / MIB,
         "steps": len(per_step),
         "updates": int(model.optimizer.iterations.numpy()),
         "rss_after_imports_mb": rss_imports,

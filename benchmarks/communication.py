@@ -168,15 +168,15 @@ def main():
         f"cross-replica communication per k={ACCUM_STEPS} micro-batches "
         f"({REPLICAS} replicas x {micro_batch} samples each), MirroredStrategy on "
         f"{REPLICAS} logical CPUs, dense model of {params} parameters "
-        f"({4 * params / 2**20:.2f} MB of float32 gradients); times: median of "
+        f"({4 * params / 2**20:.2f} MiB of float32 gradients); times: median of "
         f"{rounds} alternating rounds",
         [
             "configuration",
             "updates",
             "all-reduces",
-            "MB reduced",
+            "MiB reduced",
             "all-reduces / update",
-            "MB / update",
+            "MiB / update",
             "ms",
             "time / plain",
         ],
@@ -197,7 +197,7 @@ def main():
                 fontsize="small",
             )
         ax.set_xticks(xs, [NAMES[n].replace(", ", ",\n") for n in names], fontsize="small")
-        ax.set_ylabel(f"MB all-reduced per {ACCUM_STEPS} micro-batches")
+        ax.set_ylabel(f"MiB all-reduced per {ACCUM_STEPS} micro-batches")
         title = f"Communication, {REPLICAS} replicas, k={ACCUM_STEPS}"
         if KERAS_BUILTIN in crashes:
             title += f" ({LABELS[KERAS_BUILTIN]}: crashes)"

@@ -116,12 +116,12 @@ def main():
         [
             "configuration",
             "batch x steps",
-            "peak RSS MB",
-            "idle RSS MB",
-            "extra MB",
+            "peak RSS MiB",
+            "idle RSS MiB",
+            "extra MiB",
             "extra / plain b",
             "peak - plain b",
-            "TF allocator extra MB",
+            "TF allocator extra MiB",
         ],
         rows,
     )
@@ -130,9 +130,9 @@ def main():
         over = results[name]["peak_minus_plain_b_mb"]
         verdicts[name] = over <= allowed
         print(
-            f"goal ({name}): peak - plain b = {over:+.0f} MB <= accumulators "
-            f"{accumulators_mb:.1f} MB + 5% of plain b's extra "
-            f"({0.05 * floor['extra_mb']:.0f} MB) = {allowed:.0f} MB: "
+            f"goal ({name}): peak - plain b = {over:+.0f} MiB <= accumulators "
+            f"{accumulators_mb:.1f} MiB + 5% of plain b's extra "
+            f"({0.05 * floor['extra_mb']:.0f} MiB) = {allowed:.0f} MiB: "
             f"{'met' if verdicts[name] else 'NOT met'}"
         )
 
@@ -145,7 +145,7 @@ def main():
         bars = ax.bar(xs, extra, 0.6, bottom=idle, label="extra during fit")
         for bar, n in zip(bars, names):
             ax.annotate(
-                f"+{results[n]['extra_mb']:.0f} MB\n"
+                f"+{results[n]['extra_mb']:.0f} MiB\n"
                 f"({results[n]['extra_over_plain_b']:.2f}x plain b)",
                 (bar.get_x() + bar.get_width() / 2, results[n]["peak_mb"]),
                 ha="center",
@@ -160,7 +160,7 @@ def main():
             label="goal: plain b + accumulators + 5% of its extra",
         )
         ax.set_xticks(xs, names)
-        ax.set_ylabel("peak RSS (MB)")
+        ax.set_ylabel("peak RSS (MiB)")
         ax.set_title(f"Training memory (k={accum_steps}, b={micro_batch})")
         ax.margins(y=0.15)
         ax.legend(fontsize="small", loc="upper right")

@@ -92,7 +92,7 @@ def main():
         "all in one process (--quick)" if quick else f"fresh process per point, median of {repeats}"
     )
     print_table(
-        f"memory training adds (peak RSS - idle RSS, MB) against the effective batch; "
+        f"memory training adds (peak RSS - idle RSS, MiB) against the effective batch; "
         f"{model}, accumulation at micro-batch {micro_batch}; {how}",
         [
             "effective batch",
@@ -108,9 +108,9 @@ def main():
     )
     largest = batches[-1]
     headline = (
-        f"effective batch {largest}: plain {results[(PLAIN, largest)]['extra_mb']:.0f} MB, "
-        f"library {results[(LIBRARY, largest)]['extra_mb']:.0f} MB "
-        f"(plain at {micro_batch}: {results[(PLAIN, micro_batch)]['extra_mb']:.0f} MB)"
+        f"effective batch {largest}: plain {results[(PLAIN, largest)]['extra_mb']:.0f} MiB, "
+        f"library {results[(LIBRARY, largest)]['extra_mb']:.0f} MiB "
+        f"(plain at {micro_batch}: {results[(PLAIN, micro_batch)]['extra_mb']:.0f} MiB)"
     )
     print(headline)
 
@@ -134,7 +134,7 @@ def main():
         ax.set_xticks(batches, [str(b) for b in batches])
         ax.set_ylim(bottom=0)
         ax.set_xlabel("effective batch size")
-        ax.set_ylabel("memory training adds (MB, peak RSS)")
+        ax.set_ylabel("memory training adds (MiB, peak RSS)")
         ax.set_title(f"Effective batch {largest} in the memory of {micro_batch}")
         ax.legend(fontsize="small")
 

@@ -53,9 +53,10 @@ def _check_inner_optimizer(optimizer):
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         raise ValueError(
             "`GradientAccumulateOptimizer` cannot wrap a `LossScaleOptimizer`: "
-            "the loss scale would be unscaled once per update, and one "
-            "micro-batch with non-finite gradients would discard its whole "
-            "group. Wrap the other way round, "
+            "the loss scale is applied and checked at every micro-step by an outer "
+            "`LossScaleOptimizer`, which drops a micro-step whose gradients are not "
+            "finite; inside, it would only see the group's mean. Wrap the other "
+            "way round, "
             "`keras.optimizers.LossScaleOptimizer("
             "GradientAccumulateOptimizer(optimizer, accum_steps=k))`, which "
             "`model.compile()` does by itself under the 'mixed_float16' dtype "

@@ -351,6 +351,24 @@ def test_changing_trainable_flags_needs_a_recompile():
     assert len(model._accumulator.gradient_sums) == 2
 
 
+def test_changing_trainable_flags_without_a_recompile_is_refused():
+    # Keras would keep the train function traced for the old variables and
+    # go on training the frozen layer without a word.
+    x, y = make_regression_data()
+    model = build_dense(GradientAccumulateModel, accum_steps=2)
+    model.compile(OPTIMIZERS["adam"](), "mse")
+    model.fit(x, y, batch_size=MICRO_BATCH, verbose=0)
+    model.get_layer("hidden").trainable = False
+    frozen = model.get_layer("hidden").get_weights()
+    with pytest.raises(
+        RuntimeError,
+        match=r"trainable variables of model .* changed .* call `compile\(\)` again.*"
+        r"Received: 2 trainable variables, the train function was built for 4",
+    ):
+        model.fit(x, y, batch_size=MICRO_BATCH, verbose=0)
+    assert max_abs_diff(frozen, model.get_layer("hidden").get_weights()) == 0.0
+
+
 def test_mixed_float16_equals_big_batch(mixed_float16):
     x, y = make_regression_data()
     reference, accumulating = train_pair(build_dense, OPTIMIZERS["adam"], x, y)
