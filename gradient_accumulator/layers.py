@@ -7,6 +7,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from gradient_accumulator._compat import batchnorm_takes
 from gradient_accumulator._moments import (
     batch_moments,
     merge_moments,
@@ -155,7 +156,9 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         gamma_constraint: Optional constraint for ``gamma``. Default ``None``.
         renorm: Boolean, Batch Renormalization as in Keras. Only with
             ``accum_steps=1`` (its per-call corrections cannot wait for the
-            group). Default ``False``.
+            group) and Keras >= 3.14 (earlier Keras has no renorm; the
+            three renorm arguments are then not passed on, and
+            ``renorm=True`` is refused). Default ``False``.
         renorm_clipping: Optional dict with keys ``"rmax"``, ``"rmin"``,
             ``"dmax"`` (only with ``renorm=True``), as in Keras.
         renorm_momentum: Float, momentum of the renorm statistics, as in
@@ -235,6 +238,17 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
                 "for plain Keras behaviour. "
                 f"Received: renorm={renorm!r}, accum_steps={accum_steps}"
             )
+        renorm_arguments = dict(
+            renorm=renorm, renorm_clipping=renorm_clipping, renorm_momentum=renorm_momentum
+        )
+        if not batchnorm_takes("renorm"):
+            if renorm:
+                raise ValueError(
+                    "`renorm` needs Keras >= 3.14 (installed: "
+                    f"{keras.__version__}). Received: renorm={renorm!r}"
+                )
+            # Keras's BatchNormalization has no renorm arguments to take.
+            renorm_arguments = {}
         super().__init__(
             axis=axis,
             momentum=momentum,
@@ -249,9 +263,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             gamma_regularizer=gamma_regularizer,
             beta_constraint=beta_constraint,
             gamma_constraint=gamma_constraint,
-            renorm=renorm,
-            renorm_clipping=renorm_clipping,
-            renorm_momentum=renorm_momentum,
+            **renorm_arguments,
             synchronized=synchronized,
             **kwargs,
         )
