@@ -326,13 +326,15 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         count, mean, residual, m2 = self._micro_batch_moments(x, mask)
         self._accumulate(count, mean, residual, m2)
 
+        # Keras < 3.5 leaves `beta`/`gamma` unset without `center`/`scale`.
+        beta, gamma = getattr(self, "beta", None), getattr(self, "gamma", None)
         outputs = ops.batch_normalization(
             x=x,
             mean=ops.cast(mean + residual, x.dtype),
             variance=ops.cast(variance_from_moments(count, m2), x.dtype),
             axis=self.axis,
-            offset=None if self.beta is None else ops.cast(self.beta, x.dtype),
-            scale=None if self.gamma is None else ops.cast(self.gamma, x.dtype),
+            offset=None if beta is None else ops.cast(beta, x.dtype),
+            scale=None if gamma is None else ops.cast(gamma, x.dtype),
             epsilon=self.epsilon,
         )
         return ops.cast(outputs, self.compute_dtype)
@@ -480,5 +482,8 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         is_update_step = current_update_step()
         if is_update_step is None:
             # On its own: this layer's counter decides.
-            steps = self.micro_step.assign_add(1)
-            self.apply_pending_statistics(ops.greater_equal(steps, self.accum_steps))
+            # Read after the add: Keras < 3.5's `assign_add` returns None.
+            self.micro_step.assign_add(1)
+            self.apply_pending_statistics(
+                ops.greater_equal(self.micro_step.value, self.accum_steps)
+            )

@@ -271,7 +271,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     ...         loss = keras.losses.mean_squared_error(y, model(x))
     ...     grads = tape.gradient(loss, model.trainable_variables)
     ...     _ = opt.apply_gradients(zip(grads, model.trainable_variables))
-    >>> int(opt.iterations)  # 8 micro-steps, 2 updates
+    >>> int(opt.iterations.numpy())  # 8 micro-steps, 2 updates
     2
     >>> type(opt.inner_optimizer).__name__, opt.get_config()["accum_steps"]
     ('Adam', 4)
@@ -395,6 +395,12 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     def iterations(self):
         """The inner optimizer's ``iterations``, which counts updates."""
         return self.inner_optimizer.iterations
+
+    @iterations.setter
+    def iterations(self, value):
+        # Keras < 3.5 sets the base class's own (unused) counter through this
+        # attribute; later versions keep it in `_iterations` directly.
+        self._iterations = value
 
     @property
     def learning_rate(self):
