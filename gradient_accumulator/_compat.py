@@ -12,3 +12,21 @@ def batchnorm_takes(argument):
     """
     return argument in inspect.signature(keras.layers.BatchNormalization.__init__).parameters
 
+
+def compute_training_loss(model, x, y, y_pred, sample_weight):
+    """``model.compute_loss(...)`` in training mode.
+
+    Keras 3.4 added ``compute_loss``'s ``training`` argument; it is passed
+    only where ``compute_loss`` (Keras's or an override) takes it, as Keras's
+    own train step does.
+    """
+    kwargs = dict(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+    if "training" in inspect.signature(model.compute_loss).parameters:
+        kwargs["training"] = True
+    return model.compute_loss(**kwargs)
+
+
+def keras_version():
+    """The installed Keras version as ``(major, minor)``."""
+    major, minor = keras.__version__.split(".")[:2]
+    return int(major), int(minor)

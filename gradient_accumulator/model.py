@@ -8,6 +8,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from gradient_accumulator._compat import compute_training_loss, keras_version
 from gradient_accumulator.agc import adaptive_clip_gradients
 from gradient_accumulator.distribute import logs_for_keras
 from gradient_accumulator.engine import GradientAccumulator, update_step_scope
@@ -167,6 +168,29 @@ class GradientAccumulateModel(keras.Model):
         if self.built:
             self._ensure_accumulator()
 
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        functional = all(k in config for k in ("name", "layers", "input_layers", "output_layers"))
+        if (
+            keras_version() >= (3, 7)
+            or not functional
+            or cls.__init__ is not GradientAccumulateModel.__init__
+        ):
+            return super().from_config(config, custom_objects=custom_objects)
+        # Keras < 3.7 rebuilds a functional model from its graph alone and
+        # drops the constructor's other arguments (`accum_steps`, ...); its
+        # own (private) rebuilding function is given them bound to the class.
+        from keras.src.models.functional import functional_from_config
+
+        config = dict(config)
+        own = inspect.signature(GradientAccumulateModel.__init__).parameters.values()
+        arguments = {
+            p.name: config.pop(p.name) for p in own if p.kind is p.KEYWORD_ONLY and p.name in config
+        }
+        return functional_from_config(
+            functools.partial(cls, **arguments), config, custom_objects=custom_objects
+        )
+
     def compile_from_config(self, config):
         # Keras skips compiling on load when `compile` is overridden; this
         # override only adds validation, so compile as Keras would.
@@ -186,12 +210,16 @@ class GradientAccumulateModel(keras.Model):
             )
         batch_size = _batch_size(x)
         accumulator = self._accumulator
-        loss_weight, is_update_step = accumulator.begin_micro_step(batch_size)
+        # Keras < 3.7 ends an epoch whose steps are not a multiple of
+        # `steps_per_execution` with a step that has no batch: it fails at
+        # fetching one, after running the ops that do not need it. So the
+        # accumulator's state changes wait for the batch.
+        inputs = [t for t in tf.nest.flatten(x, expand_composites=True) if t is not None]
+        with tf.control_dependencies(inputs):
+            loss_weight, is_update_step = accumulator.begin_micro_step(batch_size)
         with update_step_scope(is_update_step), tf.GradientTape() as tape:
             y_pred = self(x, training=True)
-            loss = self.compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-            )
+            loss = compute_training_loss(self, x, y, y_pred, sample_weight)
             weighted_loss = self.optimizer.scale_loss(loss * loss_weight)
         # Keras keeps its loss metric private; no public route updates it.
         # `loss` is scaled by 1/replicas for the cross-replica sum; undo that.
