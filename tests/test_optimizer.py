@@ -386,7 +386,8 @@ def test_compile_wraps_in_loss_scale_optimizer_under_mixed_float16(mixed_float16
     x, y = _data(16)
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-    assert int(model.optimizer.iterations) == 2
+    # LossScaleOptimizer forwards `iterations` to its inner optimizer from Keras 3.9 on.
+    assert int(model.optimizer.inner_optimizer.iterations.numpy()) == 2
     _assert_close(model.weights, reference.weights, atol=ATOL_FLOAT16)
 
 
@@ -400,12 +401,13 @@ def test_loss_scale_optimizer_skips_non_finite_micro_step():
     bad = [np.full(v.shape, np.inf, "float32") for v in variables]
     optimizer.apply(bad, variables)
     assert int(accumulate._accumulator.micro_step.numpy()) == 0  # not accumulated
-    assert float(optimizer.dynamic_scale) == 4.0
+    assert float(optimizer.dynamic_scale.numpy()) == 4.0
     good = [np.ones(v.shape, "float32") * 4.0 for v in variables]  # scaled by 4
     optimizer.apply(good, variables)
     _assert_bit_identical(before, _values(model.weights))
     optimizer.apply(good, variables)
-    assert int(optimizer.iterations) == 1
+    # LossScaleOptimizer forwards `iterations` to its inner optimizer from Keras 3.9 on.
+    assert int(accumulate.iterations.numpy()) == 1
     _assert_close(model.weights, [w - 0.1 for w in before])
 
 
@@ -423,8 +425,12 @@ def test_static_loss_scale_of_inner_optimizer():
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
     _reference_step(reference, keras.optimizers.SGD(0.1), x, y)
     _assert_close(model.weights, reference.weights)
-    # LossScaleOptimizer clears the factor that is actually applied.
+    # LossScaleOptimizer clears the factor that is actually applied. Keras
+    # < 3.10 leaves it (and scales twice, plain Keras optimizers too): there,
+    # clearing it through the wrapper is checked.
     keras.optimizers.LossScaleOptimizer(optimizer)
+    if tuple(map(int, keras.__version__.split(".")[:2])) < (3, 10):
+        optimizer.loss_scale_factor = None
     assert inner.loss_scale_factor is None
 
 
