@@ -229,6 +229,14 @@ class GradientAccumulateModel(keras.Model):
         for layer in self._statistics_layers():
             layer.apply_pending_statistics(is_update_step)
         accumulator.step(grads, loss_weight, is_update_step, self.optimizer, variables)
+        compiled_metrics = getattr(self, "_compile_metrics", None)
+        if keras_version() < (3, 5) and compiled_metrics is not None and not compiled_metrics.built:
+            # Keras < 3.5 builds the compiled metrics in the first traced
+            # step. Variables created there put the whole step inside
+            # TensorFlow's lazy-initialization conditional, where the update's
+            # merge_call fails under tf.distribute: they are created outside.
+            with tf.init_scope():
+                compiled_metrics.build(y, y_pred)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return logs_for_keras(logs, self.distribute_strategy)
 
@@ -263,6 +271,11 @@ class GradientAccumulateModel(keras.Model):
         self._check_strategy()
         self._check_statistics_layers()
         self._ensure_accumulator()
+        if self.optimizer is not None and not self.optimizer.built:
+            # Keras < 3.5 builds the optimizer in the first train step, where
+            # the update runs in a conditional, which cannot create variables.
+            with self.distribute_strategy.scope():
+                self.optimizer.build(self.trainable_variables)
         return super().make_train_function(force=force)
 
     def apply_accumulated_gradients(self):

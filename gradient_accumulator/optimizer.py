@@ -4,6 +4,7 @@ import inspect
 from collections.abc import Callable
 
 import keras
+import tensorflow as tf
 
 from gradient_accumulator.agc import adaptive_clip_gradients
 from gradient_accumulator.engine import GradientAccumulator
@@ -349,7 +350,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         else:
             trainable_variables = list(trainable_variables)
             if not self.built:
-                self.build(trainable_variables)
+                # Variables created outside the traced step (as Keras >= 3.5's
+                # fit does by building first): inside it, the update's
+                # conditional cannot initialize them under tf.distribute.
+                with tf.init_scope():
+                    self.build(trainable_variables)
             self._check_variables_are_known(trainable_variables)
         if len(grads) != len(trainable_variables):
             raise ValueError(
