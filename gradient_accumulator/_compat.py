@@ -3,6 +3,7 @@
 import inspect
 
 import keras
+import tensorflow as tf
 
 
 def batchnorm_takes(argument):
@@ -14,16 +15,22 @@ def batchnorm_takes(argument):
 
 
 def compute_training_loss(model, x, y, y_pred, sample_weight):
-    """``model.compute_loss(...)`` in training mode.
+    """``model.compute_loss(...)`` in training mode, divided by the replicas in sync.
 
     Keras 3.4 added ``compute_loss``'s ``training`` argument; it is passed
     only where ``compute_loss`` (Keras's or an override) takes it, as Keras's
-    own train step does.
+    own train step does. Keras 3.8 made the loss the replica's share of the
+    global loss (divided by the replicas in sync, whose gradients are
+    summed); before, it is the replica's own mean, divided here.
     """
     kwargs = dict(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
     if "training" in inspect.signature(model.compute_loss).parameters:
         kwargs["training"] = True
-    return model.compute_loss(**kwargs)
+    loss = model.compute_loss(**kwargs)
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    if keras_version() < (3, 8) and replicas > 1:
+        loss = loss / replicas
+    return loss
 
 
 def keras_version():
