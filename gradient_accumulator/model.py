@@ -5,6 +5,7 @@ import inspect
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import ops
 
@@ -337,7 +338,10 @@ class GradientAccumulateModel(keras.Model):
             )
             return
         for i, variable in enumerate(state):
-            variable.assign(store[f"{_STATE_PREFIX}{i}"])
+            # An array: Keras < 3.14's weight files hand out h5py datasets,
+            # which the state's TensorFlow variables cannot take under
+            # tf.distribute.
+            variable.assign(np.asarray(store[f"{_STATE_PREFIX}{i}"]))
 
     def _clip_adaptively(self, grads, variables):
         return adaptive_clip_gradients(grads, variables, self.clip_factor, self.eps)

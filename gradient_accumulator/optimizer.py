@@ -4,6 +4,7 @@ import inspect
 from collections.abc import Callable
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from gradient_accumulator.agc import adaptive_clip_gradients
@@ -438,6 +439,12 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     def variables(self):
         state = [] if self._accumulator is None else self._accumulator.state_variables
         return self._variables[:] + self.inner_optimizer.variables + state
+
+    def load_own_variables(self, store):
+        # Arrays: Keras < 3.14's weight files hand out h5py datasets, which
+        # the accumulation state's TensorFlow variables cannot take under
+        # tf.distribute.
+        super().load_own_variables({key: np.asarray(store[key]) for key in store.keys()})
 
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)
