@@ -258,7 +258,9 @@ class GradientAccumulateModel(keras.Model):
         # structure, so plain Keras `fit` fails under it (keras-team/keras
         # issue 20585). One replica's shard has the shapes the build needs.
         if iterator is not None and self._distribute_strategy is not None:
-            for _, _, batches in iterator:
+            # Keras 3.5 and 3.6 step through an epoch only with
+            # `enumerate_epoch()`; from 3.11 its tuples hold a step range.
+            for *_, batches in iterator.enumerate_epoch():
                 data_batch = keras.tree.map_structure(
                     functools.partial(_first_replica, self._distribute_strategy), next(batches)
                 )
