@@ -23,6 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # differ by a few ulps (observed <= 1.2e-7 on weights of magnitude ~1).
 FLOAT32_ATOL = 1e-6
 
+# The installed Keras as (major, minor), for the few assertions about Keras's
+# own behaviour that changed between the supported versions.
+KERAS_VERSION = tuple(int(part) for part in keras.__version__.split(".")[:2])
+
 # 76 samples at micro-batch 8: nine full micro-batches and one of 4. With
 # accum_steps=4 the epoch ends with a shorter group (two micro-batches, 12
 # samples), matching the reference's last batch of 76 - 2 * 32 = 12.

@@ -8,6 +8,7 @@ import tensorflow as tf
 from gradient_accumulator import GradientAccumulateModel
 from tests.helpers import (
     FLOAT32_ATOL,
+    KERAS_VERSION,
     MICRO_BATCH,
     assert_close,
     build_dense,
@@ -141,7 +142,7 @@ def test_ema_averages_once_per_update():
 # before, it is a sum over the batch, a loss that is not a mean over samples
 # (see GradientAccumulateModel: not identical to the big batch), so the
 # classifier has one only where Keras makes it a mean.
-_ACTIVITY_REGULARIZER_IS_A_MEAN = tuple(map(int, keras.__version__.split(".")[:2])) >= (3, 14)
+_ACTIVITY_REGULARIZER_IS_A_MEAN = KERAS_VERSION >= (3, 14)
 
 
 def _build_classifier(cls, seed=0, **kwargs):

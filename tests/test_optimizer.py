@@ -13,7 +13,7 @@ import gradient_accumulator
 from gradient_accumulator import optimizer as optimizer_module
 from gradient_accumulator.agc import adaptive_clip_gradients
 from gradient_accumulator.optimizer import GradientAccumulateOptimizer
-from tests.helpers import run_script
+from tests.helpers import KERAS_VERSION, run_script
 
 # float32: the mean of k micro-batch mean gradients and the mean gradient of
 # the concatenated batch differ only by summation order (~1e-7 relative); the
@@ -429,7 +429,7 @@ def test_static_loss_scale_of_inner_optimizer():
     # < 3.10 leaves it (and scales twice, plain Keras optimizers too): there,
     # clearing it through the wrapper is checked.
     keras.optimizers.LossScaleOptimizer(optimizer)
-    if tuple(map(int, keras.__version__.split(".")[:2])) < (3, 10):
+    if KERAS_VERSION < (3, 10):
         optimizer.loss_scale_factor = None
     assert inner.loss_scale_factor is None
 
@@ -698,7 +698,11 @@ def test_mirrored_strategy_two_replicas():
     stdout = run_script(_MIRRORED_SCRIPT, timeout=300, logical_cpus=2)
     line = next(x for x in stdout.splitlines() if x.startswith("RESULTS"))
     results = json.loads(line[len("RESULTS") :])
-    for case in ("loop_adam", "loop_sgd_clipnorm", "loop_adamw", "loop_schedule", "fit"):
+    # Keras < 3.8's fit does not divide each replica's loss by the replicas
+    # while summing their gradients: there plain Keras, and so the wrapper it
+    # hands the gradients to, steps `replicas` times too far.
+    cases = ["loop_adam", "loop_sgd_clipnorm", "loop_adamw", "loop_schedule"]
+    for case in cases + (["fit"] if KERAS_VERSION >= (3, 8) else []):
         iterations, diff = results[case]
         assert iterations == 3, case
         assert diff < ATOL, (case, diff)
