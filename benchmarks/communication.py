@@ -57,7 +57,13 @@ def _first_line(error):
     """``Type: first line`` of an error, the cause's first sentence added if Keras wrapped it."""
     lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(error).splitlines()]
     lines = [line for line in lines if line] or [""]
-    text = f"{type(error).__name__}: {lines[0]}"
+    kind = type(error).__name__
+    raised = [i for i, line in enumerate(lines) if re.match(r"\w+(Error|Exception): ", line)]
+    if lines[0] == "in user code:" and raised:
+        # Wrapped by autograph (seen with TF 2.16 + Keras 3.3.3): the error's own lines.
+        kind, _, first = lines[raised[0]].partition(": ")
+        lines = [first, *lines[raised[0] + 1 :]]
+    text = f"{kind}: {lines[0]}"
     if lines[0].startswith("Exception encountered when calling") and len(lines) > 1:
         text += " " + lines[1].split(". ")[0].rstrip(".") + "."
     return text

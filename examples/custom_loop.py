@@ -109,8 +109,8 @@ def main():
 
     micro_steps = epochs * (NUM_TRAIN // MICRO_BATCH)
     print(
-        f"\nMicro-steps run: {micro_steps}; optimizer updates: {int(optimizer.iterations)} "
-        f"(plain batch 64: {int(reference_optimizer.iterations)})"
+        f"\nMicro-steps run: {micro_steps}; optimizer updates: {int(optimizer.iterations.numpy())} "
+        f"(plain batch 64: {int(reference_optimizer.iterations.numpy())})"
     )
     gap = max(
         float(np.max(np.abs(a - b)))

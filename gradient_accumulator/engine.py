@@ -171,30 +171,30 @@ class GradientAccumulator(tf.Module):
         # save every model weight a second time under this object.
         self._variable_ids = tuple(id(v) for v in variables)
 
-        def local(initializer, shape, dtype, name, aggregation):
-            return keras.Variable(
-                initializer=initializer,
-                shape=shape,
-                dtype=dtype,
+        sum_ = tf.VariableAggregation.SUM
+        first = tf.VariableAggregation.ONLY_FIRST_REPLICA
+
+        def local(value, shape, dtype, name, aggregation):
+            # A TensorFlow variable: `keras.Variable` takes `synchronization`
+            # only from Keras 3.10 (and exposes its TensorFlow variable, whose
+            # in-place ops the engine needs, as `.value`).
+            return tf.Variable(
+                lambda: tf.fill(shape, tf.constant(value, dtype)),
                 trainable=False,
                 name=name,
-                synchronization="on_read",
+                synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=aggregation,
             )
 
         with tf.name_scope(name):
             self.gradient_sums = [
-                local("zeros", v.shape, "float32", _sum_name(v), "sum") for v in variables
+                local(0, v.shape, "float32", _sum_name(v), sum_) for v in variables
             ]
-            self.weight_sum = local("zeros", (), "float32", "weight_sum", "sum")
-            self.first_batch_size = local(
-                "ones", (), "float32", "first_batch_size", "only_first_replica"
-            )
-            self.micro_step = local("zeros", (), "int64", "micro_step", "only_first_replica")
-            self.steps_to_boundary = local(
-                -1, (), "int64", "steps_to_boundary", "only_first_replica"
-            )
-            self.update_count = local("zeros", (), "int64", "update_count", "only_first_replica")
+            self.weight_sum = local(0, (), "float32", "weight_sum", sum_)
+            self.first_batch_size = local(1, (), "float32", "first_batch_size", first)
+            self.micro_step = local(0, (), "int64", "micro_step", first)
+            self.steps_to_boundary = local(-1, (), "int64", "steps_to_boundary", first)
+            self.update_count = local(0, (), "int64", "update_count", first)
 
     @property
     def state_variables(self):
@@ -238,7 +238,7 @@ class GradientAccumulator(tf.Module):
     def current_accum_steps(self):
         """Micro-steps in the current group: ``accum_steps`` or its schedule."""
         if callable(self.accum_steps):
-            steps = ops.cast(self.accum_steps(self.update_count.value), "int64")
+            steps = ops.cast(self.accum_steps(self.update_count), "int64")
             return ops.maximum(steps, 1)
         return self.accum_steps
 
@@ -261,7 +261,7 @@ class GradientAccumulator(tf.Module):
             if grad is None:
                 continue
             if isinstance(grad, tf.IndexedSlices):
-                acc.value.scatter_add(
+                acc.scatter_add(
                     tf.IndexedSlices(
                         ops.cast(grad.values, "float32"),
                         grad.indices,
@@ -269,10 +269,10 @@ class GradientAccumulator(tf.Module):
                     )
                 )
             else:
-                # The TensorFlow variable's own assign_add adds in place;
-                # Keras's `Variable.assign_add` is `assign(self + value)`,
-                # which allocates a new sum every micro-step.
-                acc.value.assign_add(ops.cast(grad, "float32"))
+                # The TensorFlow variable's own assign_add adds in place
+                # (Keras's `Variable.assign_add` is `assign(self + value)`,
+                # which allocates a new sum every micro-step).
+                acc.assign_add(ops.cast(grad, "float32"))
         self.weight_sum.assign_add(weight)
         self.micro_step.assign_add(1)
         # Trace-time structure, not state: which variables get a gradient at
@@ -338,8 +338,8 @@ class GradientAccumulator(tf.Module):
             # The update's one cross-replica reduction: every gradient sum and
             # the weight sum, batched, each onto its variable's devices.
             destinations = [var for var, has in zip(variables, has_gradient) if has]
-            pairs = [(acc.value, var.value) for acc, var in zip(summed, destinations)]
-            pairs.append((self.weight_sum.value, destinations[0].value))
+            pairs = [(acc, var.value) for acc, var in zip(summed, destinations)]
+            pairs.append((self.weight_sum, destinations[0].value))
             *sums, weight = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)
             return sums, weight
 
@@ -368,14 +368,14 @@ class GradientAccumulator(tf.Module):
 
         def zero_in_place():
             for acc in sums:
-                acc.value.assign_add(ops.negative(acc.value))
+                acc.assign_add(ops.negative(acc))
 
         def overwrite():
             for acc in sums:
                 acc.assign(ops.zeros(acc.shape, acc.dtype))
 
         if check_finite and sums:
-            total = ops.sum(ops.stack([ops.sum(acc.value) for acc in sums]))
+            total = ops.sum(ops.stack([ops.sum(acc) for acc in sums]))
             tf.cond(ops.isfinite(total), zero_in_place, overwrite)
         else:
             zero_in_place()

@@ -7,6 +7,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from gradient_accumulator._compat import batchnorm_takes
 from gradient_accumulator._moments import (
     batch_moments,
     merge_moments,
@@ -161,7 +162,9 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         gamma_constraint: Optional constraint for ``gamma``. Default ``None``.
         renorm: Boolean, Batch Renormalization as in Keras. Only with
             ``accum_steps=1`` (its per-call corrections cannot wait for the
-            group). Default ``False``.
+            group) and Keras >= 3.14 (earlier Keras has no renorm; the
+            three renorm arguments are then not passed on, and
+            ``renorm=True`` is refused). Default ``False``.
         renorm_clipping: Optional dict with keys ``"rmax"``, ``"rmin"``,
             ``"dmax"`` (only with ``renorm=True``), as in Keras.
         renorm_momentum: Float, momentum of the renorm statistics, as in
@@ -245,6 +248,17 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
                 "for plain Keras behaviour. "
                 f"Received: renorm={renorm!r}, accum_steps={accum_steps}"
             )
+        renorm_arguments = dict(
+            renorm=renorm, renorm_clipping=renorm_clipping, renorm_momentum=renorm_momentum
+        )
+        if not batchnorm_takes("renorm"):
+            if renorm:
+                raise ValueError(
+                    "`renorm` needs Keras >= 3.14 (installed: "
+                    f"{keras.__version__}). Received: renorm={renorm!r}"
+                )
+            # Keras's BatchNormalization has no renorm arguments to take.
+            renorm_arguments = {}
         super().__init__(
             axis=axis,
             momentum=momentum,
@@ -259,9 +273,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             gamma_regularizer=gamma_regularizer,
             beta_constraint=beta_constraint,
             gamma_constraint=gamma_constraint,
-            renorm=renorm,
-            renorm_clipping=renorm_clipping,
-            renorm_momentum=renorm_momentum,
+            **renorm_arguments,
             synchronized=synchronized,
             **kwargs,
         )
@@ -324,13 +336,15 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         count, mean, residual, m2 = self._micro_batch_moments(x, mask)
         self._accumulate(count, mean, residual, m2)
 
+        # Keras < 3.5 leaves `beta`/`gamma` unset without `center`/`scale`.
+        beta, gamma = getattr(self, "beta", None), getattr(self, "gamma", None)
         outputs = ops.batch_normalization(
             x=x,
             mean=ops.cast(mean + residual, x.dtype),
             variance=ops.cast(variance_from_moments(count, m2), x.dtype),
             axis=self.axis,
-            offset=None if self.beta is None else ops.cast(self.beta, x.dtype),
-            scale=None if self.gamma is None else ops.cast(self.gamma, x.dtype),
+            offset=None if beta is None else ops.cast(beta, x.dtype),
+            scale=None if gamma is None else ops.cast(gamma, x.dtype),
             epsilon=self.epsilon,
         )
         return ops.cast(outputs, self.compute_dtype)
@@ -478,5 +492,8 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         is_update_step = current_update_step()
         if is_update_step is None:
             # On its own: this layer's counter decides.
-            steps = self.micro_step.assign_add(1)
-            self.apply_pending_statistics(ops.greater_equal(steps, self.accum_steps))
+            # Read after the add: Keras < 3.5's `assign_add` returns None.
+            self.micro_step.assign_add(1)
+            self.apply_pending_statistics(
+                ops.greater_equal(self.micro_step.value, self.accum_steps)
+            )

@@ -5,9 +5,11 @@ import inspect
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from gradient_accumulator._compat import compute_training_loss, keras_version
 from gradient_accumulator.agc import adaptive_clip_gradients, check_agc_arguments
 from gradient_accumulator.distribute import logs_for_keras
 from gradient_accumulator.engine import GradientAccumulator, update_step_scope
@@ -195,6 +197,29 @@ class GradientAccumulateModel(keras.Model):
         if self.built:
             self._ensure_accumulator()
 
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        functional = all(k in config for k in ("name", "layers", "input_layers", "output_layers"))
+        if (
+            keras_version() >= (3, 7)
+            or not functional
+            or cls.__init__ is not GradientAccumulateModel.__init__
+        ):
+            return super().from_config(config, custom_objects=custom_objects)
+        # Keras < 3.7 rebuilds a functional model from its graph alone and
+        # drops the constructor's other arguments (`accum_steps`, ...); its
+        # own (private) rebuilding function is given them bound to the class.
+        from keras.src.models.functional import functional_from_config
+
+        config = dict(config)
+        own = inspect.signature(GradientAccumulateModel.__init__).parameters.values()
+        arguments = {
+            p.name: config.pop(p.name) for p in own if p.kind is p.KEYWORD_ONLY and p.name in config
+        }
+        return functional_from_config(
+            functools.partial(cls, **arguments), config, custom_objects=custom_objects
+        )
+
     def compile_from_config(self, config):
         # Keras skips compiling on load when `compile` is overridden; this
         # override only adds validation, so compile as Keras would.
@@ -209,12 +234,16 @@ class GradientAccumulateModel(keras.Model):
         variables = self.trainable_variables
         batch_size = _batch_size(x)
         accumulator = self._accumulator
-        loss_weight, is_update_step = accumulator.begin_micro_step(batch_size)
+        # Keras < 3.7 ends an epoch whose steps are not a multiple of
+        # `steps_per_execution` with a step that has no batch: it fails at
+        # fetching one, after running the ops that do not need it. So the
+        # accumulator's state changes wait for the batch.
+        inputs = [t for t in tf.nest.flatten(x, expand_composites=True) if t is not None]
+        with tf.control_dependencies(inputs):
+            loss_weight, is_update_step = accumulator.begin_micro_step(batch_size)
         with update_step_scope(is_update_step), tf.GradientTape() as tape:
             y_pred = self(x, training=True)
-            loss = self.compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-            )
+            loss = compute_training_loss(self, x, y, y_pred, sample_weight)
             weighted_loss = self.optimizer.scale_loss(loss * loss_weight)
         # Keras keeps its loss metric private; no public route updates it.
         # `loss` is scaled by 1/replicas for the cross-replica sum; undo that.
@@ -224,6 +253,14 @@ class GradientAccumulateModel(keras.Model):
         for layer in self._statistics_layers():
             layer.apply_pending_statistics(is_update_step)
         accumulator.step(grads, loss_weight, is_update_step, self.optimizer, variables)
+        compiled_metrics = getattr(self, "_compile_metrics", None)
+        if keras_version() < (3, 5) and compiled_metrics is not None and not compiled_metrics.built:
+            # Keras < 3.5 builds the compiled metrics in the first traced
+            # step. Variables created there put the whole step inside
+            # TensorFlow's lazy-initialization conditional, where the update's
+            # merge_call fails under tf.distribute: they are created outside.
+            with tf.init_scope():
+                compiled_metrics.build(y, y_pred)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return logs_for_keras(logs, self.distribute_strategy)
 
@@ -244,7 +281,9 @@ class GradientAccumulateModel(keras.Model):
         # structure, so plain Keras `fit` fails under it (keras-team/keras
         # issue 20585). One replica's shard has the shapes the build needs.
         if iterator is not None and self._distribute_strategy is not None:
-            for _, _, batches in iterator:
+            # Keras 3.5 and 3.6 step through an epoch only with
+            # `enumerate_epoch()`; from 3.11 its tuples hold a step range.
+            for *_, batches in iterator.enumerate_epoch():
                 data_batch = keras.tree.map_structure(
                     functools.partial(_first_replica, self._distribute_strategy), next(batches)
                 )
@@ -260,6 +299,11 @@ class GradientAccumulateModel(keras.Model):
         if not force and self.train_function is not None:
             self._check_trainable_variables_unchanged()
         self._ensure_accumulator()
+        if self.optimizer is not None and not self.optimizer.built:
+            # Keras < 3.5 builds the optimizer in the first train step, where
+            # the update runs in a conditional, which cannot create variables.
+            with self.distribute_strategy.scope():
+                self.optimizer.build(self.trainable_variables)
         return super().make_train_function(force=force)
 
     def apply_accumulated_gradients(self):
@@ -325,7 +369,10 @@ class GradientAccumulateModel(keras.Model):
             )
             return
         for i, variable in enumerate(state):
-            variable.assign(store[f"{_STATE_PREFIX}{i}"])
+            # An array: Keras < 3.14's weight files hand out h5py datasets,
+            # which the state's TensorFlow variables cannot take under
+            # tf.distribute.
+            variable.assign(np.asarray(store[f"{_STATE_PREFIX}{i}"]))
 
     def _clip_adaptively(self, grads, variables):
         return adaptive_clip_gradients(grads, variables, self.clip_factor, self.eps)

@@ -4,6 +4,8 @@ import inspect
 from collections.abc import Callable
 
 import keras
+import numpy as np
+import tensorflow as tf
 
 from gradient_accumulator.agc import adaptive_clip_gradients, check_agc_arguments
 from gradient_accumulator.engine import GradientAccumulator
@@ -317,7 +319,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     ...         loss = keras.losses.mean_squared_error(y, model(x))
     ...     grads = tape.gradient(loss, model.trainable_variables)
     ...     _ = opt.apply_gradients(zip(grads, model.trainable_variables))
-    >>> int(opt.iterations)  # 8 micro-steps, 2 updates
+    >>> int(opt.iterations.numpy())  # 8 micro-steps, 2 updates
     2
     >>> type(opt.inner_optimizer).__name__, opt.get_config()["accum_steps"]
     ('Adam', 4)
@@ -406,7 +408,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         else:
             trainable_variables = list(trainable_variables)
             if not self.built:
-                self.build(trainable_variables)
+                # Variables created outside the traced step (as Keras >= 3.5's
+                # fit does by building first): inside it, the update's
+                # conditional cannot initialize them under tf.distribute.
+                with tf.init_scope():
+                    self.build(trainable_variables)
             self._check_variables_are_known(trainable_variables)
         if len(grads) != len(trainable_variables):
             raise ValueError(
@@ -467,6 +473,12 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """The inner optimizer's ``iterations``, which counts updates."""
         return self.inner_optimizer.iterations
 
+    @iterations.setter
+    def iterations(self, value):
+        # Keras < 3.5 sets the base class's own (unused) counter through this
+        # attribute; later versions keep it in `_iterations` directly.
+        self._iterations = value
+
     @property
     def learning_rate(self):
         """The inner optimizer's learning rate (readable and settable)."""
@@ -504,6 +516,12 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """
         state = [] if self._accumulator is None else self._accumulator.state_variables
         return self._variables[:] + self.inner_optimizer.variables + state
+
+    def load_own_variables(self, store):
+        # Arrays: Keras < 3.14's weight files hand out h5py datasets, which
+        # the accumulation state's TensorFlow variables cannot take under
+        # tf.distribute.
+        super().load_own_variables({key: np.asarray(store[key]) for key in store.keys()})
 
     def scale_loss(self, loss):
         """Returns ``loss`` scaled by the inner optimizer's ``loss_scale_factor``.

@@ -188,6 +188,10 @@ class _Rewriter:
         )
 
     def _clone_layer(self, layer):
+        if not isinstance(layer, keras.layers.Layer):
+            # Keras 3.5 to 3.9 record mixed precision's input casts in the
+            # graph as operations (`Cast`), stateless: they stay as they are.
+            return layer
         key = id(layer)
         if key not in self.pairs:
             if isinstance(layer, _BATCH_NORM):

@@ -30,6 +30,10 @@ FLOAT32_ATOL = 1e-6
 # several updates. The one float16 tolerance of the tests and the docs.
 FLOAT16_ATOL = 2e-3
 
+# The installed Keras as (major, minor), for the few assertions about Keras's
+# own behaviour that changed between the supported versions.
+KERAS_VERSION = tuple(int(part) for part in keras.__version__.split(".")[:2])
+
 # 76 samples at micro-batch 8: nine full micro-batches and one of 4. With
 # accum_steps=4 the epoch ends with a shorter group (two micro-batches, 12
 # samples), matching the reference's last batch of 76 - 2 * 32 = 12.

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tests.helpers import ROOT, run_python
+from tests.helpers import KERAS_VERSION, ROOT, run_python
 
 # Every script in benchmarks/ (checked below) and the keys of its JSON file:
 # top level, then those of every entry of its per-configuration results.
@@ -130,8 +130,9 @@ def test_communication_counts_reductions_and_reports_the_builtin_crash(quick):
     # Counted, so exact even in --quick: over k micro-batches plain Keras
     # all-reduces k times, the library once (the float32 sums and the weight
     # sum, batched), and reduce_every_micro_step k times.
-    assert results["plain"]["reductions"] == k
-    assert results["plain"]["bytes"] == k * gradient_bytes
+    if KERAS_VERSION >= (3, 5):  # Keras 3.3 and 3.4 do not all-reduce at all.
+        assert results["plain"]["reductions"] == k
+        assert results["plain"]["bytes"] == k * gradient_bytes
     assert results["library"]["reductions"] == 1
     assert results["library"]["updates"] == 1
     assert results["library"]["bytes"] == gradient_bytes + 4

@@ -5,7 +5,7 @@ import json
 import keras
 import pytest
 
-from tests.helpers import FLOAT16_ATOL, FLOAT32_ATOL, run_script, run_workers
+from tests.helpers import FLOAT16_ATOL, FLOAT32_ATOL, KERAS_VERSION, run_script, run_workers
 
 # One process, one strategy: every optimizer case runs inside the same script.
 # The reference is plain Keras on one device at the global batch 2 x 8 x 2 = 32.
@@ -87,7 +87,9 @@ sums = [np.asarray(v.numpy()) for v in model._accumulator.gradient_sums]
 print(json.dumps({
     "diff": max_abs_diff(reference.get_weights(), model.get_weights()),
     "scales": [float(m.optimizer.dynamic_scale.numpy()) for m in (reference, model)],
-    "iterations": [int(m.optimizer.iterations.numpy()) for m in (reference, model)],
+    # The LossScaleOptimizers' inner optimizers: before Keras 3.9 a
+    # LossScaleOptimizer's own `iterations` stays 0.
+    "iterations": [int(m.optimizer.inner_optimizer.iterations.numpy()) for m in (reference, model)],
     "sums_finite": bool(all(np.all(np.isfinite(s)) for s in sums)),
 }))
 """
@@ -164,8 +166,10 @@ def test_gradients_cross_replicas_once_per_update(counted):
     every = results["every_micro_step"]
     assert every["reductions"] == 4
     assert every["diff"] < FLOAT32_ATOL
-    # Plain Keras all-reduces every step (here: every update).
-    assert results["plain_keras"]["reductions"] == 4
+    # Plain Keras all-reduces every step (here: every update); Keras 3.3 and
+    # 3.4 do not all-reduce the gradients at all (the replicas drift apart).
+    if KERAS_VERSION >= (3, 5):
+        assert results["plain_keras"]["reductions"] == 4
 
 
 # Two workers on loopback, one CPU replica each. The reference is computed in

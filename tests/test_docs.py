@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, run_script, run_workers
+from tests.helpers import KERAS_VERSION, ROOT, run_script, run_workers
 from tests.test_examples import TESTED_EXAMPLES
 
 DOCS = ROOT / "docs"
@@ -379,5 +379,10 @@ def test_keras_fit_fails_under_multi_worker_strategy():
         results = json.loads(line[len("RESULTS ") :])
         assert results["replicas"] == 2
         for steps in ("None", "2"):  # plain fit, and with the built-in accumulation
-            assert results[steps].startswith("ValueError"), results
-            assert "PerReplica" in results[steps], results
+            if KERAS_VERSION >= (3, 5):
+                assert results[steps].startswith("ValueError"), results
+                assert "PerReplica" in results[steps], results
+            elif steps == "None":  # No build from the first batch: the scalar logs fail.
+                assert "Invalid reduction dimension 0" in results[steps], results
+            else:  # The built-in accumulation's merge_call inside its conditional.
+                assert "`merge_call` called while defining a new graph" in results[steps], results

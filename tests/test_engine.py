@@ -9,7 +9,7 @@ from gradient_accumulator.engine import GradientAccumulator
 
 def _ops_using(graph, variable):
     """Types of the top-level ops of ``graph`` that take ``variable``'s handle."""
-    handle = variable.value.handle
+    handle = variable.handle
     internal = [inside for outside, inside in graph.captures if outside is handle]
     return sorted(
         op.type for op in graph.get_operations() if any(t is i for t in op.inputs for i in internal)

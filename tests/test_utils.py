@@ -1,5 +1,6 @@
 """replace_batchnorm_layers: same outputs and weights, every BatchNormalization replaced."""
 
+import inspect
 import warnings
 
 import keras
@@ -429,7 +430,9 @@ def test_configuration_is_kept(mixed_float16):
     assert custom.dtype_policy.name == "mixed_float16"
     assert frozen.dtype_policy.name == "float32" and not frozen.trainable
     assert (custom.axis, custom.momentum, custom.epsilon) == (1, 0.8, 0.01)
-    assert custom.beta is None and isinstance(custom.gamma_constraint, keras.constraints.NonNeg)
+    # Keras < 3.5 leaves `beta` unset (rather than None) without `center`.
+    assert getattr(custom, "beta", None) is None
+    assert isinstance(custom.gamma_constraint, keras.constraints.NonNeg)
     assert len(new.losses) == len(model.losses) > 0  # the regularizers
     np.testing.assert_allclose([float(v) for v in new.losses], [float(v) for v in model.losses])
 
@@ -465,6 +468,10 @@ def test_batchnorm_subclass_is_replaced_and_its_extra_arguments_reported():
     assert type(new.get_layer("scaled")) is AccumBatchNormalization
 
 
+@pytest.mark.skipif(
+    "renorm" not in inspect.signature(BN).parameters,
+    reason="Keras's BatchNormalization takes `renorm` from Keras 3.14 on",
+)
 def test_renorm_with_accumulation_is_refused():
     inputs = keras.Input((3,))
     model = keras.Model(inputs, BN(renorm=True, name="renorm_bn")(inputs))
