@@ -78,6 +78,22 @@ def _all_reduce_in_replica(grads, weight):
     return [None if g is None else next(reduced) for g in grads], weight
 
 
+def _scatter_add_in_place(variable, slices):
+    """Adds ``slices`` (``tf.IndexedSlices``) into ``variable``, in place.
+
+    Duplicate indices are summed. ``variable.scatter_add`` refuses replica-local
+    (``ON_READ``) variables under a strategy, although each replica writes only
+    its own copy; in replica context ``variable.handle`` is that copy, and the
+    scatter is TensorFlow's own in-place op on it (without a strategy, the
+    variable itself).
+    """
+    tf.raw_ops.ResourceScatterAdd(
+        resource=variable.handle,
+        indices=slices.indices,
+        updates=ops.cast(slices.values, variable.dtype),
+    )
+
+
 def _cond_in_cross_replica(condition, fn, cross_replica_args=None):
     """Runs ``fn`` in every replica if ``condition``, branching in cross-replica context.
 
@@ -261,13 +277,7 @@ class GradientAccumulator(tf.Module):
             if grad is None:
                 continue
             if isinstance(grad, tf.IndexedSlices):
-                acc.scatter_add(
-                    tf.IndexedSlices(
-                        ops.cast(grad.values, "float32"),
-                        grad.indices,
-                        grad.dense_shape,
-                    )
-                )
+                _scatter_add_in_place(acc, grad)
             else:
                 # The TensorFlow variable's own assign_add adds in place
                 # (Keras's `Variable.assign_add` is `assign(self + value)`,
