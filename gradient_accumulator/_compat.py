@@ -1,9 +1,118 @@
-"""What differs between the Keras 3 versions this library supports."""
+"""Every Keras and TensorFlow internal the library touches, and what differs between versions.
+
+The rest of the package uses public Keras 3 and TensorFlow API only; where no
+public route exists, it goes through a function of this module, which names
+the private attribute, says why, and is checked by ``tests/test_compat.py``
+(a failure there names the name that changed, so a new Keras release that
+breaks one of them is found by CI, not by a user).
+"""
 
 import inspect
 
 import keras
 import tensorflow as tf
+
+# The functional model class: `keras.Model(inputs, outputs)` returns an
+# instance of it and `keras.models.clone_model` decides on it, but Keras
+# exports no name for it. Used to tell graph models from subclassed ones.
+from keras.src.models.functional import Functional  # noqa: E402, F401  # isort: skip
+
+# Keras's TensorFlow optimizer sums gradients across replicas in this method,
+# after clipping, inside `apply`; there is no public switch to turn it off
+# (see `distribute.gradients_already_reduced`, which replaces it per instance).
+OPTIMIZER_ALL_REDUCE_METHOD = "_all_reduce_sum_gradients"
+
+# Private hooks of `keras.Model` that `GradientAccumulateModel` overrides, with
+# the parameters the override relies on.
+OVERRIDDEN_MODEL_HOOKS = {"_maybe_symbolic_build": ("iterator", "data_batch")}
+
+
+# ----------------------------------------------------------------------------
+# Keras internals with no public route
+# ----------------------------------------------------------------------------
+
+
+def sublayers(layer, recursive=True):
+    """The layers inside ``layer`` (not itself): Keras's own walk, ``_flatten_layers``.
+
+    It sees nested models and the layers a custom layer holds as attributes;
+    ``layer.layers`` lists only a model's direct, graph-connected layers.
+    """
+    return list(layer._flatten_layers(include_self=False, recursive=recursive))
+
+
+def loss_tracker(model):
+    """The ``Mean`` metric behind the ``loss`` that ``fit`` reports (``_loss_tracker``).
+
+    A train step of one's own must update it for ``fit`` to report the loss;
+    Keras's own train step does so through this private attribute.
+    """
+    return model._loss_tracker
+
+
+def creation_strategy(model):
+    """The ``tf.distribute`` strategy ``model`` was created under, or ``None``.
+
+    ``model.distribute_strategy`` falls back to the current strategy; only
+    ``_distribute_strategy`` tells a model made outside the scope.
+    """
+    return model._distribute_strategy
+
+
+def functional_from_config(cls, config, custom_objects=None):
+    """Keras's rebuilding of a functional model from its config (Keras < 3.7 only)."""
+    from keras.src.models.functional import functional_from_config as rebuild
+
+    return rebuild(cls, config, custom_objects=custom_objects)
+
+
+def optimizer_variables_in_build_order(optimizer):
+    """The trainable variables ``optimizer`` was built with (``_trainable_variables``)."""
+    return optimizer._trainable_variables
+
+
+def optimizer_variable_index(optimizer, variable):
+    """The position of ``variable`` among them (``_get_variable_index``)."""
+    return optimizer._get_variable_index(variable)
+
+
+def check_optimizer_knows(optimizer, variables):
+    """Keras's own error for variables the optimizer was not built with."""
+    optimizer._check_variables_are_known(variables)
+
+
+def optimizer_own_variables(optimizer):
+    """The base class's bookkeeping variables of ``optimizer`` (``_variables``)."""
+    return optimizer._variables
+
+
+def set_optimizer_own_iterations(optimizer, value):
+    """Stores the base class's own ``iterations`` counter (``_iterations``)."""
+    optimizer._iterations = value
+
+
+# ----------------------------------------------------------------------------
+# TensorFlow internals with no public route
+# ----------------------------------------------------------------------------
+
+
+def strategy_supports_no_merge_call():
+    """Whether the current strategy allows collectives in a replica-context conditional.
+
+    TensorFlow exposes the test only under ``tf.__internal__``; Keras's own
+    ``LossScaleOptimizer`` makes it.
+    """
+    return tf.__internal__.distribute.strategy_supports_no_merge_call()
+
+
+def in_multi_worker_mode(strategy):
+    """Whether ``strategy`` spans several workers (``extended._in_multi_worker_mode``)."""
+    return strategy.extended._in_multi_worker_mode()
+
+
+# ----------------------------------------------------------------------------
+# What differs between the supported Keras versions
+# ----------------------------------------------------------------------------
 
 
 def batchnorm_takes(argument):

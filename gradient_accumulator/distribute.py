@@ -7,6 +7,13 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from gradient_accumulator._compat import (
+    OPTIMIZER_ALL_REDUCE_METHOD,
+    in_multi_worker_mode,
+    strategy_supports_no_merge_call,
+    sublayers,
+)
+
 _patch_lock = threading.Lock()
 _patch_depth = {}
 
@@ -44,7 +51,7 @@ def gradients_already_reduced(optimizer):
     with _patch_lock:
         for opt in chain:
             if _patch_depth.get(id(opt), 0) == 0:
-                vars(opt)["_all_reduce_sum_gradients"] = _identity
+                vars(opt)[OPTIMIZER_ALL_REDUCE_METHOD] = _identity
             _patch_depth[id(opt)] = _patch_depth.get(id(opt), 0) + 1
     try:
         yield
@@ -54,7 +61,7 @@ def gradients_already_reduced(optimizer):
                 _patch_depth[id(opt)] -= 1
                 if _patch_depth[id(opt)] == 0:
                     del _patch_depth[id(opt)]
-                    vars(opt).pop("_all_reduce_sum_gradients", None)
+                    vars(opt).pop(OPTIMIZER_ALL_REDUCE_METHOD, None)
 
 
 def supports_collectives_in_conditionals():
@@ -68,7 +75,7 @@ def supports_collectives_in_conditionals():
     LossScaleOptimizer makes; TensorFlow exposes it only under
     ``tf.__internal__`` (``strategy_supports_no_merge_call``).
     """
-    return tf.__internal__.distribute.strategy_supports_no_merge_call()
+    return strategy_supports_no_merge_call()
 
 
 def is_multi_worker(strategy):
@@ -79,7 +86,7 @@ def is_multi_worker(strategy):
     """
     return (
         isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
-        and strategy.extended._in_multi_worker_mode()
+        and in_multi_worker_mode(strategy)
     )
 
 
@@ -159,7 +166,7 @@ def average_batchnorm_statistics(model):
     strategy = model.distribute_strategy
     layers = [
         layer
-        for layer in model._flatten_layers(include_self=False)
+        for layer in sublayers(model)
         if isinstance(layer, keras.layers.BatchNormalization) and layer.built
     ]
     variables = [v for layer in layers for v in (layer.moving_mean, layer.moving_variance)]

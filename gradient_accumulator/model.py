@@ -9,7 +9,14 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from gradient_accumulator._compat import compute_training_loss, keras_version
+from gradient_accumulator._compat import (
+    compute_training_loss,
+    creation_strategy,
+    functional_from_config,
+    keras_version,
+    loss_tracker,
+    sublayers,
+)
 from gradient_accumulator.agc import adaptive_clip_gradients, check_agc_arguments
 from gradient_accumulator.distribute import logs_for_keras
 from gradient_accumulator.engine import GradientAccumulator, update_step_scope
@@ -209,13 +216,8 @@ class GradientAccumulateModel(keras.Model):
         # Keras < 3.7 rebuilds a functional model from its graph alone and
         # drops the constructor's other arguments (`accum_steps`, ...); its
         # own (private) rebuilding function is given them bound to the class.
-        from keras.src.models.functional import functional_from_config
-
         config = dict(config)
-        own = inspect.signature(GradientAccumulateModel.__init__).parameters.values()
-        arguments = {
-            p.name: config.pop(p.name) for p in own if p.kind is p.KEYWORD_ONLY and p.name in config
-        }
+        arguments = {name: config.pop(name) for name in _WRAPPER_ARGUMENTS if name in config}
         return functional_from_config(
             functools.partial(cls, **arguments), config, custom_objects=custom_objects
         )
@@ -245,10 +247,9 @@ class GradientAccumulateModel(keras.Model):
             y_pred = self(x, training=True)
             loss = compute_training_loss(self, x, y, y_pred, sample_weight)
             weighted_loss = self.optimizer.scale_loss(loss * loss_weight)
-        # Keras keeps its loss metric private; no public route updates it.
         # `loss` is scaled by 1/replicas for the cross-replica sum; undo that.
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        self._loss_tracker.update_state(loss * replicas, sample_weight=batch_size)
+        loss_tracker(self).update_state(loss * replicas, sample_weight=batch_size)
         grads = tape.gradient(weighted_loss, variables)
         for layer in self._statistics_layers():
             layer.apply_pending_statistics(is_update_step)
@@ -275,17 +276,19 @@ class GradientAccumulateModel(keras.Model):
         return super().fit(*bound.args, **bound.kwargs)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # A private hook of keras.Model (see _compat.OVERRIDDEN_MODEL_HOOKS).
         # Keras 3 builds metrics and the optimizer from the first batch, which
         # it merges across replicas with `strategy.reduce` over the whole
         # nested batch; MultiWorkerMirroredStrategy cannot reduce a nested
         # structure, so plain Keras `fit` fails under it (keras-team/keras
         # issue 20585). One replica's shard has the shapes the build needs.
-        if iterator is not None and self._distribute_strategy is not None:
+        strategy = creation_strategy(self)
+        if iterator is not None and strategy is not None:
             # Keras 3.5 and 3.6 step through an epoch only with
             # `enumerate_epoch()`; from 3.11 its tuples hold a step range.
             for *_, batches in iterator.enumerate_epoch():
                 data_batch = keras.tree.map_structure(
-                    functools.partial(_first_replica, self._distribute_strategy), next(batches)
+                    functools.partial(_first_replica, strategy), next(batches)
                 )
                 break
             iterator = None
@@ -380,12 +383,11 @@ class GradientAccumulateModel(keras.Model):
     def _statistics_layers(self):
         """Layers whose statistics follow the update boundary (AccumBatchNormalization).
 
-        ``_flatten_layers`` is Keras's own recursive walk (nested models
-        included); Keras offers no public equivalent.
+        At any depth, nested models included.
         """
         return [
             layer
-            for layer in self._flatten_layers(include_self=False)
+            for layer in sublayers(self)
             if hasattr(layer, "apply_pending_statistics")
         ]
 
@@ -397,11 +399,12 @@ class GradientAccumulateModel(keras.Model):
         if not tf.distribute.has_strategy():
             return
         current = tf.distribute.get_strategy()
-        if self._distribute_strategy is not current:
+        created_under = creation_strategy(self)
+        if created_under is not current:
             created = (
                 "outside any strategy scope"
-                if self._distribute_strategy is None
-                else f"under another strategy ({type(self._distribute_strategy).__name__})"
+                if created_under is None
+                else f"under another strategy ({type(created_under).__name__})"
             )
             raise ValueError(
                 f"Model '{self.name}' was created {created} and is now used inside "

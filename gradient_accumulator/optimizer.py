@@ -7,6 +7,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from gradient_accumulator._compat import (
+    check_optimizer_knows,
+    optimizer_own_variables,
+    optimizer_variable_index,
+    optimizer_variables_in_build_order,
+    set_optimizer_own_iterations,
+)
 from gradient_accumulator.agc import adaptive_clip_gradients, check_agc_arguments
 from gradient_accumulator.engine import GradientAccumulator
 from gradient_accumulator.validation import (
@@ -404,7 +411,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                     "optimizer must already be built. Call "
                     "`optimizer.build(trainable_variables)` first."
                 )
-            trainable_variables = self._trainable_variables
+            trainable_variables = optimizer_variables_in_build_order(self)
         else:
             trainable_variables = list(trainable_variables)
             if not self.built:
@@ -413,7 +420,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 # conditional cannot initialize them under tf.distribute.
                 with tf.init_scope():
                     self.build(trainable_variables)
-            self._check_variables_are_known(trainable_variables)
+            check_optimizer_knows(self, trainable_variables)
         if len(grads) != len(trainable_variables):
             raise ValueError(
                 "`grads` and `trainable_variables` must have the same length. "
@@ -423,9 +430,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if all(g is None for g in grads):
             raise ValueError("No gradients provided for any variable.")
         # The engine sums into one fixed list: the variables of `build`.
-        ordered = [None] * len(self._trainable_variables)
+        built_with = optimizer_variables_in_build_order(self)
+        ordered = [None] * len(built_with)
         for grad, variable in zip(grads, trainable_variables):
-            ordered[self._get_variable_index(variable)] = grad
+            ordered[optimizer_variable_index(self, variable)] = grad
         accumulator = self._accumulator
         loss_weight, is_update_step = accumulator.begin_micro_step()
         accumulator.step(
@@ -433,7 +441,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             loss_weight,
             is_update_step,
             self._apply_inner,
-            self._trainable_variables,
+            built_with,
         )
 
     def apply_accumulated_gradients(self):
@@ -447,7 +455,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """
         if self._accumulator is None:
             return
-        self._accumulator.apply_pending(self._apply_inner, self._trainable_variables)
+        self._accumulator.apply_pending(
+            self._apply_inner, optimizer_variables_in_build_order(self)
+        )
 
     def apply_gradients(self, grads_and_vars):
         """Accumulates one micro-step's gradients; on an update step, applies the group's mean.
@@ -477,7 +487,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     def iterations(self, value):
         # Keras < 3.5 sets the base class's own (unused) counter through this
         # attribute; later versions keep it in `_iterations` directly.
-        self._iterations = value
+        set_optimizer_own_iterations(self, value)
 
     @property
     def learning_rate(self):
@@ -515,7 +525,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         "State" in the class description.
         """
         state = [] if self._accumulator is None else self._accumulator.state_variables
-        return self._variables[:] + self.inner_optimizer.variables + state
+        return optimizer_own_variables(self)[:] + self.inner_optimizer.variables + state
 
     def load_own_variables(self, store):
         # Arrays: Keras < 3.14's weight files hand out h5py datasets, which

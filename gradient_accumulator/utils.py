@@ -5,15 +5,10 @@ import warnings
 
 import keras
 
+from gradient_accumulator._compat import Functional, sublayers
 from gradient_accumulator.layers import AccumBatchNormalization
 from gradient_accumulator.model import GradientAccumulateModel
 from gradient_accumulator.validation import check_accum_steps, check_bool
-
-# Keras exports no class for functional models: `keras.Model(inputs, outputs)`
-# returns an instance of this private class, and `keras.models.clone_model`
-# decides on it too. Used here only, to tell graph models (whose layers and
-# connections can be rewritten) from subclassed ones.
-from keras.src.models.functional import Functional  # isort: skip
 
 _BATCH_NORM = keras.layers.BatchNormalization
 
@@ -26,15 +21,15 @@ def _is_graph_model(layer):
 def _sublayers(layer):
     """Every layer inside ``layer``, at any depth, not ``layer`` itself.
 
-    ``_flatten_layers`` is Keras's own recursive walk (it also sees layers
+    Keras's own recursive walk (``_compat.sublayers``; it also sees layers
     held as attributes of custom layers); Keras offers no public equivalent.
     """
-    return list(layer._flatten_layers(include_self=False))
+    return sublayers(layer)
 
 
 def _children(layer):
     """The layers directly inside ``layer`` (input layers included)."""
-    return list(layer._flatten_layers(include_self=False, recursive=False))
+    return sublayers(layer, recursive=False)
 
 
 def _is_input_layer(layer):

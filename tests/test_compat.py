@@ -1,0 +1,138 @@
+"""Every Keras/TensorFlow internal of ``gradient_accumulator._compat`` still means what we use.
+
+A failure here says which private name a new Keras or TensorFlow release
+removed or changed: fix ``_compat.py`` (and only it) for that release.
+"""
+
+import inspect
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gradient_accumulator import _compat
+
+
+def _changed(name, what):
+    return f"Keras {keras.__version__} / TensorFlow {tf.__version__} changed `{name}`: {what}"
+
+
+def _nested_model():
+    inner_input = keras.Input((3,))
+    inner = keras.Model(inner_input, keras.layers.Dense(2, name="inner_dense")(inner_input))
+    outer_input = keras.Input((3,))
+    return keras.Model(outer_input, keras.layers.Dense(1, name="head")(inner(outer_input)))
+
+
+def test_sublayers_walks_nested_models():
+    model = _nested_model()
+    names = [layer.name for layer in _compat.sublayers(model)]
+    assert "inner_dense" in names and "head" in names, _changed(
+        "Layer._flatten_layers", f"no longer lists nested layers: {names}"
+    )
+    direct = [layer.name for layer in _compat.sublayers(model, recursive=False)]
+    assert "inner_dense" not in direct and "head" in direct, _changed(
+        "Layer._flatten_layers(recursive=False)", f"lists {direct}"
+    )
+
+
+def test_functional_is_the_class_of_graph_models():
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    assert isinstance(model, _compat.Functional), _changed(
+        "keras.src.models.functional.Functional",
+        f"keras.Model(inputs, outputs) is a {type(model).__mro__}",
+    )
+
+
+def test_loss_tracker_is_the_metric_fit_reports():
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile("sgd", "mse")
+    tracker = _compat.loss_tracker(model)
+    assert isinstance(tracker, keras.metrics.Mean), _changed(
+        "Model._loss_tracker", f"is a {type(tracker).__name__}, not a keras.metrics.Mean"
+    )
+    assert tracker in model.metrics, _changed("Model._loss_tracker", "is not in model.metrics")
+
+
+def test_creation_strategy_is_none_outside_any_scope():
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    assert _compat.creation_strategy(model) is None, _changed(
+        "Model._distribute_strategy", "is set for a model created outside any strategy scope"
+    )
+
+
+def test_overridden_model_hooks_exist_with_their_parameters():
+    for name, parameters in _compat.OVERRIDDEN_MODEL_HOOKS.items():
+        hook = getattr(keras.Model, name, None)
+        assert hook is not None, _changed(f"keras.Model.{name}", "it no longer exists")
+        signature = inspect.signature(hook).parameters
+        missing = [p for p in parameters if p not in signature]
+        assert not missing, _changed(f"keras.Model.{name}", f"it lost {missing}")
+
+
+def test_optimizer_internals():
+    variables = [keras.Variable(np.ones((2,), "float32")), keras.Variable(np.ones((3,), "float32"))]
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(variables)
+    built = _compat.optimizer_variables_in_build_order(optimizer)
+    assert [id(v) for v in built] == [id(v) for v in variables], _changed(
+        "Optimizer._trainable_variables", "is not the build list"
+    )
+    assert _compat.optimizer_variable_index(optimizer, variables[1]) == 1, _changed(
+        "Optimizer._get_variable_index", "does not give the build position"
+    )
+    with pytest.raises(ValueError):
+        _compat.check_optimizer_knows(optimizer, [keras.Variable(np.ones((2,), "float32"))])
+    own = _compat.optimizer_own_variables(optimizer)
+    assert any(v is optimizer.iterations for v in own), _changed(
+        "Optimizer._variables", "no longer holds `iterations`"
+    )
+    method = getattr(optimizer, _compat.OPTIMIZER_ALL_REDUCE_METHOD, None)
+    assert callable(method), _changed(
+        f"Optimizer.{_compat.OPTIMIZER_ALL_REDUCE_METHOD}",
+        "it no longer exists, so gradients_already_reduced() would not stop the all-reduce",
+    )
+    assert list(inspect.signature(method).parameters) == ["grads_and_vars"], _changed(
+        f"Optimizer.{_compat.OPTIMIZER_ALL_REDUCE_METHOD}",
+        f"its parameters are {list(inspect.signature(method).parameters)}",
+    )
+
+
+def test_all_reduce_method_is_what_apply_calls():
+    # If Keras stopped calling it from `apply`, replacing it would silently
+    # leave the second all-reduce in place: check that apply goes through it.
+    variable = keras.Variable(np.ones((2,), "float32"))
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build([variable])
+    calls = []
+
+    def record(grads_and_vars):
+        calls.append(len(grads_and_vars))
+        return grads_and_vars
+
+    vars(optimizer)[_compat.OPTIMIZER_ALL_REDUCE_METHOD] = record
+    optimizer.apply([tf.ones((2,))], [variable])
+    assert calls == [1], _changed(
+        f"Optimizer.{_compat.OPTIMIZER_ALL_REDUCE_METHOD}", "`apply` no longer calls it"
+    )
+
+
+def test_tensorflow_internals():
+    assert _compat.strategy_supports_no_merge_call() is True, _changed(
+        "tf.__internal__.distribute.strategy_supports_no_merge_call",
+        "the default strategy no longer supports collectives without merge_call",
+    )
+    # Checked on the class: a MultiWorkerMirroredStrategy made here would
+    # configure this process's collectives for the rest of the run (the
+    # multi-worker tests call it on a real cluster).
+    from tensorflow.python.distribute.collective_all_reduce_strategy import (
+        CollectiveAllReduceExtended,
+    )
+
+    assert callable(getattr(CollectiveAllReduceExtended, "_in_multi_worker_mode", None)), _changed(
+        "MultiWorkerMirroredStrategy.extended._in_multi_worker_mode", "it no longer exists"
+    )
