@@ -386,3 +386,29 @@ def test_keras_fit_fails_under_multi_worker_strategy():
                 assert "Invalid reduction dimension 0" in results[steps], results
             else:  # The built-in accumulation's merge_call inside its conditional.
                 assert "`merge_call` called while defining a new graph" in results[steps], results
+
+
+def test_installation_page_lists_exactly_the_versions_ci_tests():
+    from gradient_accumulator._backend import MIN_KERAS, MIN_TENSORFLOW
+
+    jobs = [
+        line.split()
+        for line in (ROOT / ".ci" / "versions").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    page = (DOCS / "installation.rst").read_text()
+    # The list-table's rows: "* - name" then "- python", "- tensorflow", "- keras".
+    rows = re.findall(
+        r"^\s*\* - (\S+)\n\s*- (\S+)\n\s*- (.+)\n\s*- (.+)\n", page, flags=re.MULTILINE
+    )
+    listed = {name: (python, tf, keras) for name, python, tf, keras in rows if name != "CI"}
+    assert set(listed) == {"newest"} | {name for name, *_ in jobs}, listed
+    for name, python, tensorflow, keras, _ in jobs:
+        assert listed[name] == (python, tensorflow, keras), (name, listed[name])
+    # The floor CI tests is the floor the import check enforces.
+    floor = next(job for job in jobs if job[0] == "floor")
+    assert floor[2] == ".".join(map(str, MIN_TENSORFLOW)) or floor[2].startswith(
+        ".".join(map(str, MIN_TENSORFLOW[:2]))
+    )
+    assert floor[3] == ".".join(map(str, MIN_KERAS))
+    assert f'"keras>={floor[3]}"' in (ROOT / "pyproject.toml").read_text()
