@@ -29,8 +29,10 @@ so that clipping sees the global gradient.
 
 import contextlib
 import threading
+import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import ops
 
@@ -40,6 +42,15 @@ from gradient_accumulator.distribute import (
 )
 
 _context = threading.local()
+
+# The keys of the accumulation state in a Keras weights store (`.keras` and
+# `.weights.h5` files), beside the owner's own numbered variables.
+STATE_KEY_PREFIX = "accumulator_"
+
+
+def without_state(store):
+    """The entries of a Keras weights store that are not accumulation state."""
+    return {key: store[key] for key in store.keys() if not key.startswith(STATE_KEY_PREFIX)}
 
 
 @contextlib.contextmanager
@@ -222,6 +233,38 @@ class GradientAccumulator(tf.Module):
             self.update_count,
             *self.gradient_sums,
         ]
+
+    def save_state(self, store):
+        """Writes the state into a Keras weights ``store`` (keys ``accumulator_<i>``)."""
+        for i, variable in enumerate(self.state_variables):
+            store[f"{STATE_KEY_PREFIX}{i}"] = variable.numpy()
+
+    def load_state(self, store, owner):
+        """Restores the state from a Keras weights ``store`` written by :meth:`save_state`.
+
+        Does nothing if ``store`` holds no state; warns, and starts a new
+        group, if it holds state for another set of variables.
+
+        Args:
+            store: The mapping Keras hands ``load_own_variables``.
+            owner: String naming the model or optimizer, for the warning.
+        """
+        saved = [key for key in store.keys() if key.startswith(STATE_KEY_PREFIX)]
+        if not saved:
+            return
+        state = self.state_variables
+        if len(saved) != len(state):
+            warnings.warn(
+                f"Not restoring the accumulation state of {owner}: the file holds "
+                f"{len(saved)} accumulation variables, there are {len(state)}. "
+                "Training starts a new accumulation group.",
+                stacklevel=3,
+            )
+            return
+        for i, variable in enumerate(state):
+            # An array: Keras < 3.14's weight files hand out h5py datasets,
+            # which TensorFlow variables cannot take under tf.distribute.
+            variable.assign(np.asarray(store[f"{STATE_KEY_PREFIX}{i}"]))
 
     def matches(self, variables):
         """Whether this accumulator was built for exactly ``variables``."""

@@ -2,10 +2,8 @@
 
 import functools
 import inspect
-import warnings
 
 import keras
-import numpy as np
 import tensorflow as tf
 from keras import ops
 
@@ -19,15 +17,13 @@ from gradient_accumulator._compat import (
 )
 from gradient_accumulator.agc import adaptive_clip_gradients, check_agc_arguments
 from gradient_accumulator.distribute import logs_for_keras
-from gradient_accumulator.engine import GradientAccumulator, update_step_scope
+from gradient_accumulator.engine import GradientAccumulator, update_step_scope, without_state
 from gradient_accumulator.optimizer import check_optimizer_does_not_accumulate
 from gradient_accumulator.validation import (
     check_accum_steps,
     check_bool,
     check_keyword_arguments,
 )
-
-_STATE_PREFIX = "accumulator_"
 
 # The wrapper's own constructor arguments, in signature order: the one list
 # that `get_config`, `wrapper_config` and `replace_batchnorm_layers` read.
@@ -352,30 +348,12 @@ class GradientAccumulateModel(keras.Model):
     def save_own_variables(self, store):
         super().save_own_variables(store)
         if self._accumulator is not None:
-            for i, variable in enumerate(self._accumulator.state_variables):
-                store[f"{_STATE_PREFIX}{i}"] = variable.numpy()
+            self._accumulator.save_state(store)
 
     def load_own_variables(self, store):
-        own = {k: store[k] for k in store.keys() if not k.startswith(_STATE_PREFIX)}
-        super().load_own_variables(own)
-        saved = [k for k in store.keys() if k.startswith(_STATE_PREFIX)]
-        if not saved:
-            return
+        super().load_own_variables(without_state(store))
         self._ensure_accumulator()
-        state = self._accumulator.state_variables
-        if len(saved) != len(state):
-            warnings.warn(
-                f"Not restoring the accumulation state of '{self.name}': the "
-                f"file holds {len(saved)} accumulation variables, the model "
-                f"has {len(state)}. Training starts a new accumulation group.",
-                stacklevel=2,
-            )
-            return
-        for i, variable in enumerate(state):
-            # An array: Keras < 3.14's weight files hand out h5py datasets,
-            # which the state's TensorFlow variables cannot take under
-            # tf.distribute.
-            variable.assign(np.asarray(store[f"{_STATE_PREFIX}{i}"]))
+        self._accumulator.load_state(store, f"model '{self.name}'")
 
     def _clip_adaptively(self, grads, variables):
         return adaptive_clip_gradients(grads, variables, self.clip_factor, self.eps)

@@ -4,7 +4,6 @@ import inspect
 from collections.abc import Callable
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from gradient_accumulator._compat import (
@@ -15,7 +14,7 @@ from gradient_accumulator._compat import (
     set_optimizer_own_iterations,
 )
 from gradient_accumulator.agc import adaptive_clip_gradients, check_agc_arguments
-from gradient_accumulator.engine import GradientAccumulator
+from gradient_accumulator.engine import GradientAccumulator, without_state
 from gradient_accumulator.validation import (
     check_accum_steps,
     check_bool,
@@ -261,8 +260,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     State: ``variables`` holds this wrapper's own two Keras bookkeeping
     variables (an unused ``iteration`` and ``learning_rate``, as in
-    ``LossScaleOptimizer``), then the inner optimizer's variables, then the
-    accumulation state created in ``build()`` (replica-local, float32 sums):
+    ``LossScaleOptimizer``), then the inner optimizer's variables;
+    ``accumulation_variables`` holds the accumulation state created in
+    ``build()`` (replica-local TensorFlow variables, float32 sums):
 
     - ``<variable>_accumulator`` per trainable variable: ``sum_i(g_i)`` of the
       current group (dense, the variable's shape).
@@ -518,20 +518,31 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     @property
     def variables(self):
-        """Every variable to save: the wrapper's, the inner optimizer's, the accumulation state.
+        """The Keras variables: this wrapper's two bookkeeping ones, then the inner optimizer's.
 
-        In that order: this wrapper's two Keras bookkeeping variables, the
-        inner optimizer's variables, then the accumulation state listed under
-        "State" in the class description.
+        The accumulation state (TensorFlow variables, see "State" in the
+        class description) is not among them, as Keras code that walks
+        ``variables`` expects Keras variables; ``accumulation_variables``
+        lists it, and saving includes it.
         """
-        state = [] if self._accumulator is None else self._accumulator.state_variables
-        return optimizer_own_variables(self)[:] + self.inner_optimizer.variables + state
+        return optimizer_own_variables(self)[:] + self.inner_optimizer.variables
+
+    @property
+    def accumulation_variables(self):
+        """The accumulation state (empty before ``build``), in a fixed order."""
+        return [] if self._accumulator is None else self._accumulator.state_variables
+
+    def save_own_variables(self, store):
+        """Saves ``variables`` as Keras does, then the accumulation state."""
+        super().save_own_variables(store)
+        if self._accumulator is not None:
+            self._accumulator.save_state(store)
 
     def load_own_variables(self, store):
-        # Arrays: Keras < 3.14's weight files hand out h5py datasets, which
-        # the accumulation state's TensorFlow variables cannot take under
-        # tf.distribute.
-        super().load_own_variables({key: np.asarray(store[key]) for key in store.keys()})
+        """Restores what :meth:`save_own_variables` saved (the state, if built)."""
+        super().load_own_variables(without_state(store))
+        if self._accumulator is not None:
+            self._accumulator.load_state(store, f"optimizer '{self.name}'")
 
     def scale_loss(self, loss):
         """Returns ``loss`` scaled by the inner optimizer's ``loss_scale_factor``.
