@@ -448,14 +448,18 @@ def test_variables_hold_accumulation_state():
     model, _ = _twin_models()
     optimizer = GradientAccumulateOptimizer("adam", accum_steps=4)
     optimizer.build(model.trainable_variables)
-    # The accumulation state is TensorFlow variables, named by TensorFlow's
-    # name scopes; Keras's variables have a `path`.
-    paths = [getattr(v, "path", v.name.removesuffix(":0")) for v in optimizer.variables]
+    # The accumulation state is TensorFlow variables named by TensorFlow's name
+    # scopes, listed apart: `variables` holds Keras variables only (Keras code
+    # reads their `path`, e.g. `model.get_state_tree()`).
+    names = [v.name.removesuffix(":0") for v in optimizer.accumulation_variables]
     for weight in model.trainable_variables:
-        assert any(p.endswith(weight.path.replace("/", "_") + "_accumulator") for p in paths)
-    assert any(p.endswith("/micro_step") for p in paths)
+        assert any(n.endswith(weight.path.replace("/", "_") + "_accumulator") for n in names)
+    assert any(n.endswith("/micro_step") for n in names)
+    assert all(isinstance(v, keras.Variable) for v in optimizer.variables)
     ids = {id(v) for v in optimizer.variables}
     assert all(id(v) in ids for v in optimizer.inner_optimizer.variables)
+    model.compile(optimizer, "mse")
+    assert "optimizer_variables" in model.get_state_tree()
 
 
 def test_config_round_trip():
