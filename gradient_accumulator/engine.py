@@ -105,26 +105,59 @@ def _scatter_add_in_place(variable, slices):
     )
 
 
-def _cond_in_cross_replica(condition, fn, cross_replica_args=None):
-    """Runs ``fn`` in every replica if ``condition``, branching in cross-replica context.
+def sum_across_replicas_if(condition, values, fn):
+    """If ``condition``: sums ``values`` over the replicas and runs ``fn(*sums)`` in each.
 
-    ``fn`` may call ``merge_call`` (Keras optimizers do), which a conditional
-    in replica context forbids under MirroredStrategy: the conditional lives
-    in cross-replica context and re-enters the replicas, the pattern of
-    Keras's LossScaleOptimizer. ``cross_replica_args(strategy)``, if given,
-    computes ``fn``'s arguments inside the branch, in cross-replica context.
+    The one place where the library communicates at an update: all of
+    ``values`` cross the replicas in one batched reduction, and only when
+    ``condition`` holds (a micro-step that does not update communicates
+    nothing). Call it in replica context, in every replica.
+
+    Where collectives may sit in a replica-context conditional (no strategy,
+    or an XLA-compiled step on GPUs only), the conditional stays in the
+    replica (:func:`_sum_if_in_replica`). Elsewhere (``MirroredStrategy``,
+    ``MultiWorkerMirroredStrategy`` on CPUs) it is taken in cross-replica
+    context and re-enters the replicas (:func:`_sum_if_in_cross_replica`),
+    the pattern of Keras's ``LossScaleOptimizer``: ``fn`` may then call
+    ``merge_call`` itself, as Keras optimizers do.
+
+    Args:
+        condition: Boolean scalar tensor, the same in every replica.
+        values: List of float tensors or replica-local variables (this
+            replica's values).
+        fn: Callable taking one reduced tensor per entry of ``values``.
     """
+    if supports_collectives_in_conditionals():
+        _sum_if_in_replica(condition, values, fn)
+    else:
+        _sum_if_in_cross_replica(condition, values, fn)
 
-    def decide(strategy, condition):
+
+def _sum_if_in_replica(condition, values, fn):
+    def branch():
+        sums = [ops.convert_to_tensor(v) for v in values]
+        if sums:
+            sums = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, sums)
+        fn(*sums)
+
+    tf.cond(condition, branch, lambda: None)
+
+
+def _sum_if_in_cross_replica(condition, values, fn):
+    def decide(strategy, condition, *values):
         decision = strategy.experimental_local_results(condition)[0]
 
         def branch():
-            args = () if cross_replica_args is None else cross_replica_args(strategy)
-            strategy.extended.call_for_each_replica(fn, args=args)
+            # Each value is reduced onto its own devices, all in one batch.
+            pairs = [(value, value) for value in values]
+            sums = []
+            if pairs:
+                sums = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)
+            strategy.extended.call_for_each_replica(fn, args=tuple(sums))
 
         tf.cond(decision, branch, lambda: None)
 
-    tf.distribute.get_replica_context().merge_call(decide, args=(condition,))
+    tf.distribute.get_replica_context().merge_call(decide, args=(condition, *values))
 
 
 def _sum_name(variable):
@@ -301,7 +334,7 @@ class GradientAccumulator(tf.Module):
             return ops.maximum(steps, 1)
         return self.accum_steps
 
-    def step(self, grads, loss_weight, is_update_step, optimizer, variables):
+    def step(self, grads, loss_weight, is_update_step, optimizer, variables, statistics=()):
         """Adds ``grads`` to the sums, then updates through ``optimizer`` if due.
 
         Must be called in replica context (inside ``strategy.run`` or with no
@@ -331,73 +364,65 @@ class GradientAccumulator(tf.Module):
         # Trace-time structure, not state: which variables get a gradient at
         # all. Replayed by `apply_pending`, which has no gradients to look at.
         self._has_gradient = [grad is not None for grad in grads]
-        self.apply_if(is_update_step, optimizer, variables)
+        self.apply_if(is_update_step, optimizer, variables, statistics)
 
-    def apply_pending(self, optimizer, variables):
+    def apply_pending(self, optimizer, variables, statistics=()):
         """Updates with a non-empty, unfinished group (replica context).
 
         For a group cut short by the end of the data when the number of
-        micro-steps was not known in advance.
+        micro-steps was not known in advance. ``statistics`` as in
+        :meth:`apply_if`.
         """
-        self.apply_if(ops.greater(self.micro_step, 0), optimizer, variables)
+        self.apply_if(ops.greater(self.micro_step, 0), optimizer, variables, statistics)
 
-    def apply_if(self, is_update_step, optimizer, variables):
+    def apply_if(self, is_update_step, optimizer, variables, statistics=()):
         """Hands the group's mean gradient to ``optimizer`` if ``is_update_step``.
 
-        Called in replica context; resets the group after updating.
+        Called in replica context; resets the group after updating. The
+        group's gradient sums, its weight sum and each entry of
+        ``statistics`` cross the replicas in one batched reduction (the sums
+        only if they were not reduced at every micro-step).
+
+        Args:
+            statistics: Sequence of ``(value, apply_fn)``: a float32 tensor of
+                this replica's to sum over the replicas with the gradients,
+                and a callable that receives the sum in the update, in
+                replica context (``AccumBatchNormalization`` merges its
+                replicas' pending statistics so).
         """
         has_gradient = getattr(self, "_has_gradient", [True] * len(variables))
-
         summed = [acc for acc, has in zip(self.gradient_sums, has_gradient) if has]
+        statistics = list(statistics)
+        local = self._reduce_every_micro_step  # sums already global
 
-        def apply_in_replica(reduced_sums=None, reduced_weight=None):
-            if reduced_sums is None:  # Already reduced at every micro-step.
-                reduced_sums = [ops.convert_to_tensor(acc) for acc in summed]
-                reduced_weight = ops.convert_to_tensor(self.weight_sum)
-            reduced_sums = iter(reduced_sums)
-            mean_grads = [
-                ops.cast(next(reduced_sums) / reduced_weight, var.dtype) if has else None
-                for var, has in zip(variables, has_gradient)
-            ]
-            if self._gradient_transform is not None:
-                mean_grads = self._gradient_transform(mean_grads, variables)
-            optimizer.apply(mean_grads, variables)
-            self.update_count.assign_add(1)
-            self.reset(isinstance(optimizer, keras.optimizers.LossScaleOptimizer))
+        def update(*reduced):
+            if local:
+                sums = [ops.convert_to_tensor(acc) for acc in summed]
+                weight = ops.convert_to_tensor(self.weight_sum)
+            else:
+                *sums, weight = reduced[: len(summed) + 1]
+                reduced = reduced[len(summed) + 1 :]
+            for (_, apply_statistics), total in zip(statistics, reduced):
+                apply_statistics(total)
+            self._apply_mean(sums, weight, has_gradient, optimizer, variables)
 
-        if self._reduce_every_micro_step:
-            with gradients_already_reduced(optimizer):
-                _cond_in_cross_replica(is_update_step, apply_in_replica)
-            return
-
-        if supports_collectives_in_conditionals():
-            # Collectives need no merge_call here (no strategy, or an
-            # XLA-compiled step on GPUs only): the conditional stays in
-            # replica context.
-            def update_in_replica():
-                # The update's one cross-replica reduction: every gradient sum
-                # and the weight sum, batched into a single all-reduce.
-                *sums, weight = tf.distribute.get_replica_context().all_reduce(
-                    tf.distribute.ReduceOp.SUM,
-                    [*map(ops.convert_to_tensor, summed), ops.convert_to_tensor(self.weight_sum)],
-                )
-                apply_in_replica(sums, weight)
-
-            with gradients_already_reduced(optimizer):
-                tf.cond(is_update_step, update_in_replica, lambda: None)
-            return
-
-        def reduce_sums(strategy):
-            # The update's one cross-replica reduction: every gradient sum and
-            # the weight sum, batched, each onto its variable's devices.
-            destinations = [var for var, has in zip(variables, has_gradient) if has]
-            pairs = [(acc, var.value) for acc, var in zip(summed, destinations)]
-            pairs.append((self.weight_sum, destinations[0].value))
-            *sums, weight = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)
-            return sums, weight
-
+        values = [] if local else [*summed, self.weight_sum]
+        values += [value for value, _ in statistics]
         with gradients_already_reduced(optimizer):
-            _cond_in_cross_replica(is_update_step, apply_in_replica, reduce_sums)
+            sum_across_replicas_if(is_update_step, values, update)
+
+    def _apply_mean(self, sums, weight, has_gradient, optimizer, variables):
+        """The update (replica context): the mean gradient to ``optimizer``, then a reset."""
+        sums = iter(sums)
+        mean_grads = [
+            ops.cast(next(sums) / weight, var.dtype) if has else None
+            for var, has in zip(variables, has_gradient)
+        ]
+        if self._gradient_transform is not None:
+            mean_grads = self._gradient_transform(mean_grads, variables)
+        optimizer.apply(mean_grads, variables)
+        self.update_count.assign_add(1)
+        self.reset(isinstance(optimizer, keras.optimizers.LossScaleOptimizer))
 
     def reset(self, check_finite=False):
         """Empties the group (call in replica context).
