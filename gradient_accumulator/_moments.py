@@ -127,6 +127,28 @@ def merge_moments_along(counts, means, m2s):
     return count, mean, m2
 
 
+def merge_replica_summaries(counts, means, residuals, m2s):
+    """Merges per-replica ``(count, mean, residual, m2)`` summaries stacked on axis 0.
+
+    Each replica's mean is ``means[r] + residuals[r]`` (a float32 value and
+    its small correction, as :func:`batch_moments` returns them). The merged
+    mean is returned the same way: a common origin (the count-weighted mean
+    of the float32 means, a float32 value near the data) and the offset of
+    the exact mean from it, so nothing cancels however large the mean is
+    against the spread. Replicas with ``count == 0`` contribute nothing;
+    every replica computes the identical result from the identical stack.
+
+    Returns:
+        ``(count, origin, residual, m2)`` of the union, float32.
+    """
+    counts, means, residuals, m2s = (
+        ops.cast(t, _STATS_DTYPE) for t in (counts, means, residuals, m2s)
+    )
+    origin = ops.sum(counts * means, axis=0) / ops.maximum(ops.sum(counts, axis=0), 1.0)
+    count, residual, m2 = merge_moments_along(counts, (means - origin) + residuals, m2s)
+    return count, origin, residual, m2
+
+
 def variance_from_moments(count, m2):
     """Biased variance ``m2 / count`` (0 for an empty set), clamped at 0."""
     return ops.maximum(_divide_or_zero(ops.cast(m2, _STATS_DTYPE), count), 0.0)

@@ -11,10 +11,10 @@ from gradient_accumulator._compat import batchnorm_takes
 from gradient_accumulator._moments import (
     batch_moments,
     merge_moments,
-    merge_moments_along,
+    merge_replica_summaries,
     variance_from_moments,
 )
-from gradient_accumulator.engine import current_update_step
+from gradient_accumulator.engine import current_update_step, sum_across_replicas_if
 from gradient_accumulator.validation import (
     check_accum_steps,
     check_positive_float,
@@ -387,9 +387,82 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             is_update_step = True
         is_update_step = ops.convert_to_tensor(is_update_step, "bool")
         count = self.pending_count.value
+        self._update_moving_statistics(
+            is_update_step,
+            count,
+            self.pending_shift.value + self.pending_mean_offset.value,
+            variance_from_moments(count, self.pending_m2.value),
+        )
+        self._reset_pending(is_update_step)
+
+    def merges_replicas_at_update(self):
+        """Whether each replica holds pending statistics of its own, merged at the update.
+
+        True for a layer with ``accum_steps > 1`` and ``synchronized=False``
+        under a strategy with several replicas (read in replica context,
+        while a train step is traced): each replica accumulates its own
+        shard's statistics, and at the update every replica's are merged
+        (:meth:`pending_replica_summary`, summed over the replicas, then
+        :meth:`apply_replica_summaries`), so that every replica's moving
+        statistics become those of the global accumulated batch.
+        """
+        if self.accum_steps == 1 or self.synchronized or not self.built or not self.trainable:
+            return False
+        replica_context = tf.distribute.get_replica_context()
+        return replica_context is not None and replica_context.num_replicas_in_sync > 1
+
+    def pending_replica_summary(self):
+        """This replica's pending statistics, in its row of a float32 ``(replicas, 4, channels)``.
+
+        Row ``r`` holds replica ``r``'s ``(pending_count, pending_shift,
+        pending_mean_offset, pending_m2)`` and every other row is zero, so
+        the sum of this tensor over the replicas (exact: each entry is one
+        replica's value plus zeros) gathers every replica's statistics.
+        Call in replica context.
+        """
+        replica_context = tf.distribute.get_replica_context()
+        local = ops.stack(
+            [
+                self.pending_count.value,
+                self.pending_shift.value,
+                self.pending_mean_offset.value,
+                self.pending_m2.value,
+            ]
+        )
+        row = ops.one_hot(
+            replica_context.replica_id_in_sync_group,
+            replica_context.num_replicas_in_sync,
+            dtype="float32",
+        )
+        return ops.reshape(row, (-1, 1, 1)) * ops.expand_dims(local, 0)
+
+    def apply_replica_summaries(self, summaries):
+        """Applies the pending statistics of all replicas, merged exactly, then resets them.
+
+        ``summaries`` is the sum over the replicas of
+        :meth:`pending_replica_summary`. The replicas' ``(count, mean, m2)``
+        are merged with Chan's formula from a common origin (no
+        ``E[x^2] - E[x]^2`` cancellation; unequal or empty shards weighted by
+        their counts), and every replica applies the same result::
+
+            moving_mean     = momentum * moving_mean     + (1 - momentum) * mean(B)
+            moving_variance = momentum * moving_variance + (1 - momentum) * var(B)
+
+        with ``B`` the global accumulated batch (every replica's micro-batches
+        of the group). Call in replica context, in every replica.
+        """
+        count, origin, residual, m2 = merge_replica_summaries(
+            *(summaries[:, i] for i in range(4))
+        )
+        update = ops.convert_to_tensor(True)
+        self._update_moving_statistics(
+            update, count, origin + residual, variance_from_moments(count, m2)
+        )
+        self._reset_pending(update)
+
+    def _update_moving_statistics(self, is_update_step, count, mean, variance):
+        """Keras's moving-average update where ``is_update_step`` and ``count > 0``."""
         due = ops.logical_and(is_update_step, ops.greater(count, 0.0))
-        mean = self.pending_shift.value + self.pending_mean_offset.value
-        variance = variance_from_moments(count, self.pending_m2.value)
         for moving, batch in (
             (self.moving_mean, mean),
             (self.moving_variance, variance),
@@ -398,6 +471,9 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             # Keras's formula, term for term.
             new = old * self.momentum + batch * (1.0 - self.momentum)
             moving.assign(ops.cast(ops.where(due, new, old), moving.dtype))
+
+    def _reset_pending(self, is_update_step):
+        """Empties the pending statistics and ``micro_step`` where ``is_update_step``."""
         for pending in (
             self.pending_count,
             self.pending_shift,
@@ -459,13 +535,9 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
                 replica_context.all_gather(local, axis=0),
                 (replicas, 4, self.moving_mean.shape[0]),
             )
-            counts, means, residuals, m2s = (gathered[:, i] for i in range(4))
-            # Any float32 value near the data is a good origin; the
-            # count-weighted mean of the float32 means is one.
-            origin = ops.sum(counts * means, axis=0) / ops.maximum(ops.sum(counts, axis=0), 1.0)
-            offsets = (means - origin) + residuals
-            count, residual, m2 = merge_moments_along(counts, offsets, m2s)
-            mean = origin
+            count, mean, residual, m2 = merge_replica_summaries(
+                *(gathered[:, i] for i in range(4))
+            )
         return count, mean, residual, m2
 
     def _accumulate(self, count, mean, residual, m2):
@@ -494,6 +566,12 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             # On its own: this layer's counter decides.
             # Read after the add: Keras < 3.5's `assign_add` returns None.
             self.micro_step.assign_add(1)
-            self.apply_pending_statistics(
-                ops.greater_equal(self.micro_step.value, self.accum_steps)
-            )
+            due = ops.greater_equal(self.micro_step.value, self.accum_steps)
+            if self.merges_replicas_at_update():
+                # One reduction of the replicas' pending statistics, at the
+                # update only (the engine's, as for gradients).
+                sum_across_replicas_if(
+                    due, [self.pending_replica_summary()], self.apply_replica_summaries
+                )
+            else:
+                self.apply_pending_statistics(due)

@@ -247,9 +247,10 @@ class GradientAccumulateModel(keras.Model):
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         loss_tracker(self).update_state(loss * replicas, sample_weight=batch_size)
         grads = tape.gradient(weighted_loss, variables)
-        for layer in self._statistics_layers():
-            layer.apply_pending_statistics(is_update_step)
-        accumulator.step(grads, loss_weight, is_update_step, self.optimizer, variables)
+        statistics = self._apply_statistics(is_update_step)
+        accumulator.step(
+            grads, loss_weight, is_update_step, self.optimizer, variables, statistics
+        )
         compiled_metrics = getattr(self, "_compile_metrics", None)
         if keras_version() < (3, 5) and compiled_metrics is not None and not compiled_metrics.built:
             # Keras < 3.5 builds the compiled metrics in the first traced
@@ -319,9 +320,10 @@ class GradientAccumulateModel(keras.Model):
         if getattr(self, "_apply_pending_function", None) is None:
 
             def apply_pending_in_replica():
-                for layer in self._statistics_layers():
-                    layer.apply_pending_statistics(None)
-                self._accumulator.apply_pending(self.optimizer, self.trainable_variables)
+                statistics = self._apply_statistics(None)
+                self._accumulator.apply_pending(
+                    self.optimizer, self.trainable_variables, statistics
+                )
 
             @tf.function
             def apply_pending():
@@ -391,6 +393,23 @@ class GradientAccumulateModel(keras.Model):
                 "(layers included) inside `with strategy.scope():`, then compile "
                 "and fit it there."
             )
+
+    def _apply_statistics(self, is_update_step):
+        """Moves the statistics layers' pending statistics on the update (replica context).
+
+        Layers whose pending statistics are the same in every replica (one
+        replica, or ``synchronized=True``) apply them here. The others hold
+        their own shard's: they are returned as ``(value, apply_fn)`` pairs
+        for the engine, which sums them over the replicas in the update's one
+        reduction and hands every replica the merged statistics.
+        """
+        merged = []
+        for layer in self._statistics_layers():
+            if layer.merges_replicas_at_update():
+                merged.append((layer.pending_replica_summary(), layer.apply_replica_summaries))
+            else:
+                layer.apply_pending_statistics(is_update_step)
+        return merged
 
     def _check_statistics_layers(self):
         """Refuses AccumBatchNormalization layers whose accum_steps differ."""

@@ -8,6 +8,7 @@ from gradient_accumulator._moments import (
     batch_moments,
     merge_moments,
     merge_moments_along,
+    merge_replica_summaries,
     variance_from_moments,
 )
 
@@ -163,6 +164,34 @@ def test_large_mean_needs_the_shift():
     assert _relative_error(plain, true_var) > 5 * RTOL
     _, _, m2 = _merge_all(sets)
     assert _relative_error(m2 / np.asarray(state[0]), true_var) < RTOL
+
+
+@pytest.mark.parametrize("name", list(SETS))
+def test_merge_replica_summaries_equals_moments_of_the_union(name):
+    # Each set is one replica's pending statistics, as AccumBatchNormalization
+    # gathers them at the update: a float32 mean, its residual and m2.
+    sets = _sets(SETS[name])
+    stacked = [
+        np.stack([np.asarray(t) for t in parts]).astype("float32")
+        for parts in zip(*(batch_moments(x, axes=[0]) for x in sets))
+    ]
+    count, origin, residual, m2 = merge_replica_summaries(*stacked)
+    n, mu, ss = _numpy_moments(np.concatenate(sets))
+    np.testing.assert_array_equal(count, n)
+    assert _relative_error(np.asarray(origin, "float64") + np.asarray(residual), mu) < RTOL
+    assert _relative_error(np.asarray(m2) / n, ss / n) < 2 * RTOL
+
+
+def test_merge_replica_summaries_ignores_empty_replicas():
+    x = _sets([(3.0, 2.0, 20)])[0]
+    one = [np.asarray(t) for t in batch_moments(x, axes=[0])]
+    empty = [np.zeros_like(one[0])] * 4
+    stacked = [np.stack([e, o]).astype("float32") for e, o in zip(empty, one)]
+    count, origin, residual, m2 = merge_replica_summaries(*stacked)
+    n, mu, ss = _numpy_moments(x)
+    np.testing.assert_array_equal(count, n)
+    assert _relative_error(np.asarray(origin, "float64") + np.asarray(residual), mu) < RTOL
+    assert _relative_error(np.asarray(m2) / n, ss / n) < 2 * RTOL
 
 
 def test_variance_from_moments_empty_is_zero_and_never_negative():
