@@ -15,7 +15,10 @@ from gradient_accumulator.agc import (  # noqa: E402, F401
     compute_norm,
     unitwise_norm,
 )
-from gradient_accumulator.distribute import average_batchnorm_statistics  # noqa: E402
+from gradient_accumulator.distribute import (  # noqa: E402
+    AverageBatchNormStatistics,
+    average_batchnorm_statistics,
+)
 from gradient_accumulator.layers import AccumBatchNormalization  # noqa: E402
 from gradient_accumulator.model import GradientAccumulateModel  # noqa: E402
 from gradient_accumulator.optimizer import GradientAccumulateOptimizer  # noqa: E402
@@ -23,6 +26,7 @@ from gradient_accumulator.utils import replace_batchnorm_layers  # noqa: E402
 
 __all__ = [
     "AccumBatchNormalization",
+    "AverageBatchNormStatistics",
     "GradientAccumulateModel",
     "GradientAccumulateOptimizer",
     "adaptive_clip_gradients",

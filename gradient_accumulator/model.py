@@ -16,7 +16,7 @@ from gradient_accumulator._compat import (
     sublayers,
 )
 from gradient_accumulator.agc import adaptive_clip_gradients, check_agc_arguments
-from gradient_accumulator.distribute import logs_for_keras
+from gradient_accumulator.distribute import AverageBatchNormStatistics, logs_for_keras
 from gradient_accumulator.engine import GradientAccumulator, update_step_scope, without_state
 from gradient_accumulator.optimizer import check_optimizer_does_not_accumulate
 from gradient_accumulator.validation import (
@@ -27,7 +27,14 @@ from gradient_accumulator.validation import (
 
 # The wrapper's own constructor arguments, in signature order: the one list
 # that `get_config`, `wrapper_config` and `replace_batchnorm_layers` read.
-_WRAPPER_ARGUMENTS = ("accum_steps", "use_agc", "clip_factor", "eps", "reduce_every_micro_step")
+_WRAPPER_ARGUMENTS = (
+    "accum_steps",
+    "use_agc",
+    "clip_factor",
+    "eps",
+    "reduce_every_micro_step",
+    "average_batchnorm_statistics",
+)
 
 # What `keras.Model` takes besides them: a functional model's `inputs`,
 # `outputs`, `name`, `trainable`, and the keyword arguments of every Keras
@@ -147,6 +154,16 @@ class GradientAccumulateModel(keras.Model):
             all-reduces every micro-step's gradient before adding it, as
             plain data-parallel training does, at ``accum_steps`` times the
             communication. The result is the same either way.
+        average_batchnorm_statistics: Boolean. Under a strategy with several
+            replicas, ``fit`` makes the replicas' copies of the moving
+            statistics of BatchNormalization layers that are not merged at
+            updates (Keras's own, ``accum_steps=1``) equal, by averaging,
+            before every validation, at every epoch end (before callbacks
+            that save) and at the end of training
+            (:class:`~gradient_accumulator.AverageBatchNormStatistics`).
+            ``AccumBatchNormalization`` with ``accum_steps > 1`` needs none
+            of it: it merges its replicas' statistics exactly at every
+            update. Defaults to ``True``.
         **kwargs: Passed to ``keras.Model`` (with any positional
             arguments), usually ``inputs=`` and ``outputs=`` of an existing
             functional model.
@@ -171,6 +188,7 @@ class GradientAccumulateModel(keras.Model):
         clip_factor: float = 0.01,
         eps: float = 1e-3,
         reduce_every_micro_step: bool = False,
+        average_batchnorm_statistics: bool = True,
         **kwargs,
     ):
         check_keyword_arguments(
@@ -182,6 +200,9 @@ class GradientAccumulateModel(keras.Model):
         self.accum_steps = check_accum_steps(accum_steps)
         self.reduce_every_micro_step = check_bool(
             "reduce_every_micro_step", reduce_every_micro_step
+        )
+        self.average_batchnorm_statistics = check_bool(
+            "average_batchnorm_statistics", average_batchnorm_statistics
         )
         self.use_agc, self.clip_factor, self.eps = check_agc_arguments(use_agc, clip_factor, eps)
         super().__init__(*args, **kwargs)
@@ -266,10 +287,19 @@ class GradientAccumulateModel(keras.Model):
         bound = inspect.signature(super().fit).bind(*args, **kwargs)
         callbacks = bound.arguments.get("callbacks")
         boundary = _EpochBoundary(self)
+        # First, so that callbacks that save see the averaged statistics.
+        first = []
+        if (
+            self.average_batchnorm_statistics
+            and self.distribute_strategy.num_replicas_in_sync > 1
+        ):
+            first.append(AverageBatchNormStatistics())
+            first[0].set_model(self)
         if isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks.callbacks[:0] = first
             callbacks.append(boundary)
         else:
-            bound.arguments["callbacks"] = [*(callbacks or []), boundary]
+            bound.arguments["callbacks"] = [*first, *(callbacks or []), boundary]
         return super().fit(*bound.args, **bound.kwargs)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
