@@ -62,3 +62,35 @@ def test_sdist_holds_everything_its_tests_read(distributions):
     }
     missing = sorted(needed - names)
     assert not missing, f"the sdist lacks what its tests need: {missing}"
+
+
+def test_installation_page_lists_exactly_the_versions_ci_tests():
+    import re
+
+    from gradient_accumulator._backend import MIN_KERAS, MIN_TENSORFLOW
+
+    jobs = [
+        line.split()
+        for line in (ROOT / ".ci" / "versions").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    page = (ROOT / "docs" / "installation.rst").read_text()
+    # The list-table's rows: "* - name" then "- python", "- tensorflow", "- keras".
+    rows = re.findall(
+        r"^\s*\* - (\S+)\n\s*- (\S+)\n\s*- (.+)\n\s*- (.+)\n", page, flags=re.MULTILINE
+    )
+    listed = {name: (python, tf, keras) for name, python, tf, keras in rows if name != "CI"}
+    assert set(listed) == {name for name, *_ in jobs}, listed
+    for name, python, tensorflow, keras, _ in jobs:
+        assert listed[name] == (python, tensorflow, keras), (name, listed[name])
+    # The floor CI tests is the floor the import check and pyproject.toml declare.
+    _, python, tensorflow, keras, tests = next(job for job in jobs if job[0] == "floor")
+    assert tests == "all"
+    assert tensorflow.startswith(".".join(map(str, MIN_TENSORFLOW[:2])) + ".")
+    assert keras == ".".join(map(str, MIN_KERAS))
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'"keras>={keras}"' in pyproject
+    assert f'requires-python = ">={python}"' in pyproject
+    # Every Python version CI tests is declared, and only those.
+    declared = set(re.findall(r"Programming Language :: Python :: (3\.\d+)", pyproject))
+    assert declared == {job[1] for job in jobs}, declared
