@@ -9,11 +9,11 @@ initial weights, separate layers), trains one with plain Keras at batch
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from gradient_accumulator import GradientAccumulateModel
 
@@ -58,6 +58,154 @@ def build_dense(cls=keras.Model, seed=0, features=5, outputs=1, **kwargs):
     return cls(inputs=inputs, outputs=out, **kwargs)
 
 
+# Keras divides an activity regularizer's loss by the batch size from 3.14 on;
+# before, it is a sum over the batch, a loss that is not a mean over samples
+# (not identical to the big batch), so the classifier has one only where
+# Keras makes it a mean.
+ACTIVITY_REGULARIZER_IS_A_MEAN = KERAS_VERSION >= (3, 14)
+
+
+def build_classifier(cls=keras.Model, seed=0, **kwargs):
+    """A 3-class classifier with kernel (and, where a mean, activity) regularizers."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(
+        12,
+        activation="relu",
+        kernel_regularizer=keras.regularizers.L2(1e-2),
+        activity_regularizer=keras.regularizers.L2(1e-3)
+        if ACTIVITY_REGULARIZER_IS_A_MEAN
+        else None,
+    )(inputs)
+    outputs = keras.layers.Dense(3, activation="softmax")(hidden)
+    return cls(inputs=inputs, outputs=outputs, **kwargs)
+
+
+def make_classification_data(num_samples=NUM_SAMPLES, seed=1):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(num_samples, 6)).astype("float32")
+    y = rng.integers(0, 3, size=(num_samples,))
+    return x, y
+
+
+class MeanActivationLoss(keras.layers.Layer):
+    """Adds a per-sample-mean penalty with ``add_loss``."""
+
+    def call(self, inputs):
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(inputs)))
+        return inputs
+
+
+def build_multi_io(cls=keras.Model, seed=0, **kwargs):
+    """Two named inputs, two named outputs, and an ``add_loss`` in between."""
+    keras.utils.set_random_seed(seed)
+    a = keras.Input((4,), name="a")
+    b = keras.Input((3,), name="b")
+    merged = keras.layers.Concatenate()([a, b])
+    hidden = MeanActivationLoss()(keras.layers.Dense(8, activation="tanh")(merged))
+    first = keras.layers.Dense(1, name="first")(hidden)
+    second = keras.layers.Dense(2, activation="softmax", name="second")(hidden)
+    return cls(inputs={"a": a, "b": b}, outputs={"first": first, "second": second}, **kwargs)
+
+
+def make_multi_io_data(num_samples=NUM_SAMPLES, seed=3):
+    rng = np.random.default_rng(seed)
+    x = {
+        "a": rng.normal(size=(num_samples, 4)).astype("float32"),
+        "b": rng.normal(size=(num_samples, 3)).astype("float32"),
+    }
+    y = {
+        "first": rng.normal(size=(num_samples, 1)).astype("float32"),
+        "second": rng.integers(0, 2, size=(num_samples,)),
+    }
+    return x, y
+
+
+# The embedding model: VOCABULARY rows, of which the token data touch the
+# first 30 only (rows 30-39 never get a gradient).
+VOCABULARY = 40
+SEQUENCE_LENGTH = 6
+
+
+def build_embedding(cls=keras.Model, seed=0, **kwargs):
+    """Embedding -> mean over the sequence -> Dense: its table gets sparse gradients."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((SEQUENCE_LENGTH,), dtype="int32", name="tokens")
+    embedded = keras.layers.Embedding(VOCABULARY, 4, name="embedding")(inputs)
+    pooled = keras.layers.GlobalAveragePooling1D()(embedded)
+    return cls(inputs=inputs, outputs=keras.layers.Dense(1, name="out")(pooled), **kwargs)
+
+
+def make_token_data(num_samples=72, shard_size=None, seed=0):
+    """Token ids that repeat inside every micro-batch, and regression targets.
+
+    Each sample draws its 6 tokens from 15 ids, so any 4 samples repeat ids.
+    With ``shard_size=s`` (the per-replica micro-batch of 2 replicas), the
+    samples a first replica receives (``i // s`` even) use ids 0-14 and the
+    second replica's ids 15-29: the replicas' shards touch different rows.
+    Without it every sample draws from ids 0-29.
+    """
+    rng = np.random.default_rng(seed)
+    index = np.arange(num_samples)
+    if shard_size is None:
+        low = np.zeros(num_samples, "int32")
+        width = 30
+    else:
+        low = np.where((index // shard_size) % 2 == 0, 0, 15).astype("int32")
+        width = 15
+    x = (low[:, None] + rng.integers(0, width, size=(num_samples, SEQUENCE_LENGTH))).astype("int32")
+    y = rng.normal(size=(num_samples, 1)).astype("float32")
+    return x, y
+
+
+def train_big_batches(build, make_optimizer, x, y, batch_size, epochs=1, densify=False, clip=None):
+    """A plain-Keras reference trained step by step: one update per batch of ``batch_size``.
+
+    Loss: the mean squared error over the batch (as ``loss="mse"``). For
+    references that ``fit`` cannot give:
+
+    - ``densify``: each gradient is densified before the optimizer sees it.
+      Keras's optimizers, given raw ``tf.IndexedSlices`` (an Embedding's
+      gradient), may treat a row repeated in the batch differently from the
+      densified gradient: Adam squares each repeat's slice before summing,
+      where the dense gradient, which the accumulating wrappers hand the
+      optimizer, is squared after. SGD's sparse update is a scatter-add,
+      which sums repeats as densifying does: it needs no densifying.
+    - ``clip(grads, variables) -> grads``: applied to each batch's gradient
+      before the optimizer (e.g. :func:`numpy_agc`).
+
+    Returns:
+        ``(model, optimizer)``, trained.
+    """
+    model = build(keras.Model)
+    optimizer = make_optimizer()
+    variables = model.trainable_variables
+    for _ in range(epochs):
+        for start in range(0, len(x), batch_size):
+            xb, yb = x[start : start + batch_size], y[start : start + batch_size]
+            with tf.GradientTape() as tape:
+                loss = keras.ops.mean(keras.ops.square(model(xb, training=True) - yb))
+            grads = tape.gradient(loss, variables)
+            if densify:
+                grads = [tf.convert_to_tensor(g) for g in grads]
+            if clip is not None:
+                grads = clip(grads, variables)
+            optimizer.apply(grads, variables)
+    return model, optimizer
+
+
+def numpy_agc_all(clip_factor, eps):
+    """``clip(grads, variables)`` for :func:`train_big_batches`: :func:`numpy_agc` on each."""
+
+    def clip(grads, variables):
+        return [
+            numpy_agc(np.asarray(g), np.asarray(w), clip_factor, eps).astype("float32")
+            for g, w in zip(grads, variables)
+        ]
+
+    return clip
+
+
 # Measured max |diff| of every equivalence assertion, printed by conftest's
 # terminal summary so that the figures come from the test run itself.
 MEASURED = {}
@@ -70,10 +218,16 @@ def max_abs_diff(weights_a, weights_b):
 
 def assert_close(weights_a, weights_b, atol):
     """Asserts max |a - b| < atol over all arrays, and records the figure."""
-    diff = max_abs_diff(weights_a, weights_b)
+    assert_diff_below(max_abs_diff(weights_a, weights_b), atol)
+
+
+def assert_diff_below(diff, atol, context=None):
+    """Asserts a measured max |diff| (e.g. a script's figure) < atol, and records it."""
     test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
     MEASURED[test] = max(diff, MEASURED.get(test, 0.0))
-    assert diff < atol, f"max |diff| = {diff:.3g} >= {atol:.3g}"
+    assert diff < atol, f"max |diff| = {diff:.3g} >= {atol:.3g}" + (
+        f": {context}" if context is not None else ""
+    )
 
 
 def train_pair(
@@ -140,11 +294,13 @@ def free_ports(count):
             sock.close()
 
 
-def run_workers(source, num_workers=2, timeout=600, args=(), check=True):
-    """Runs ``source`` as a MultiWorkerMirroredStrategy cluster on loopback.
+def run_workers(module, num_workers=2, timeout=600, args=(), check=True):
+    """Runs ``python -m tests.scripts.<module> *args`` as a MultiWorkerMirroredStrategy cluster.
 
-    Each worker is a fresh process with its own ``TF_CONFIG``; returns the
-    ``(returncode, stdout, stderr)`` of each, in worker order.
+    Each worker is a fresh process started from the repository root with its
+    own ``TF_CONFIG``, the workers on free loopback ports; returns the
+    ``(returncode, stdout, stderr)`` of each, in worker order. With ``check``,
+    a worker that fails fails the test with its outputs.
     """
     import json
 
@@ -156,7 +312,8 @@ def run_workers(source, num_workers=2, timeout=600, args=(), check=True):
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_CONFIG": json.dumps(tf_config)}
         processes.append(
             subprocess.Popen(
-                [sys.executable, "-c", textwrap.dedent(source), *map(str, args)],
+                [sys.executable, "-m", f"tests.scripts.{module}", *map(str, args)],
+                cwd=ROOT,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -177,15 +334,6 @@ def run_workers(source, num_workers=2, timeout=600, args=(), check=True):
             if code != 0:
                 raise AssertionError(f"worker {index} failed ({code}):\n{out}\n{err[-5000:]}")
     return results
-
-
-_LOGICAL_CPUS = """
-import tensorflow as tf
-tf.config.set_logical_device_configuration(
-    tf.config.list_physical_devices("CPU")[0],
-    [tf.config.LogicalDeviceConfiguration()] * {count},
-)
-"""
 
 
 def run_python(args, timeout=600, env=None, label=None):
@@ -209,14 +357,22 @@ def run_python(args, timeout=600, env=None, label=None):
     return completed.stdout
 
 
-def run_script(source, timeout=600, env=None, logical_cpus=None):
-    """Runs ``source`` in a fresh Python process; returns its stdout.
+def run_script_module(name, args=(), timeout=600, env=None):
+    """Runs ``python -m tests.scripts.<name> *args`` from the repository root; returns its stdout.
 
-    Fresh processes are needed for logical-device setups and strategies, which
-    a process can configure only once. ``logical_cpus=n`` splits the CPU into
-    ``n`` logical devices before ``source`` runs (for MirroredStrategy).
+    A fresh process: logical devices and strategies can be set up only once
+    per process (see ``tests/scripts/__init__.py``). Fails the test, with
+    both outputs, if the script fails.
     """
-    source = textwrap.dedent(source)
-    if logical_cpus:
-        source = _LOGICAL_CPUS.format(count=logical_cpus) + source
-    return run_python(["-c", source], timeout=timeout, env=env, label="script")
+    command = ["-m", f"tests.scripts.{name}", *map(str, args)]
+    return run_python(command, timeout=timeout, env=env, label=f"tests.scripts.{name}")
+
+
+def script_results(stdout):
+    """The results a script printed (``tests.scripts.print_results``), parsed."""
+    import json
+
+    from tests.scripts import RESULTS
+
+    line = next(line for line in reversed(stdout.splitlines()) if line.startswith(RESULTS))
+    return json.loads(line[len(RESULTS) :])

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from gradient_accumulator import engine
 from gradient_accumulator.layers import AccumBatchNormalization
-from tests.helpers import MEASURED, assert_close, run_script
+from tests.helpers import MEASURED, assert_close, run_script_module, script_results
 
 # Keras ships its BatchNormalization tests and its layer test harness only
 # under `keras.src`; no public route reaches them. Used here, nowhere else.
@@ -812,101 +812,11 @@ def test_model_boundary_partial_group_resume_and_predict_in_between(tmp_path):
 # Across replicas (fresh process: logical devices must be set before TF runs)
 # --------------------------------------------------------------------------
 
-_MIRRORED_SCRIPT = """
-    import json
-
-    import numpy as np
-    import tensorflow as tf
-
-    import keras
-
-    from gradient_accumulator import GradientAccumulateModel
-    from gradient_accumulator.layers import AccumBatchNormalization
-
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    rng = np.random.default_rng(0)
-    x = np.concatenate(
-        [rng.normal(-2.0, 1.0, (8, 3)), rng.normal(3.0, 2.0, (8, 3))]
-    ).astype("float32")
-    y = rng.normal(size=(16, 1)).astype("float32")
-    x_large = rng.normal(1e3, 1.0, (16, 3)).astype("float32")
-
-
-    def numpy_stats(data):
-        data = data.astype("float64")
-        return [data.mean(0).tolist(), data.var(0).tolist()]
-
-
-    results = {"numpy": numpy_stats(x), "numpy_large": numpy_stats(x_large)}
-
-
-    def build(bn, model_cls=keras.Model, **kwargs):
-        keras.utils.set_random_seed(0)
-        with strategy.scope():
-            inputs = keras.Input((3,))
-            outputs = keras.layers.Dense(1)(bn(inputs))
-            model = model_cls(inputs=inputs, outputs=outputs, **kwargs)
-            model.compile(optimizer="sgd", loss="mse")
-        return model
-
-
-    def state(layer):
-        # Every replica's copy, to check that they agree.
-        return [
-            [v.numpy().tolist() for v in strategy.experimental_local_results(w.value)]
-            for w in (layer.moving_mean, layer.moving_variance)
-        ]
-
-
-    # 1. Plain fit, 2 steps of 8 rows (4 per replica): the forward and
-    #    backward pass of Keras's synchronized BN; moving stats of all 16 rows.
-    plain = build(keras.layers.BatchNormalization(momentum=0.0, synchronized=True))
-    accum = build(AccumBatchNormalization(2, momentum=0.0, synchronized=True))
-    for model in (plain, accum):
-        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
-    results["trainable_max_abs_diff"] = max(
-        float(np.max(np.abs(a.numpy() - b.numpy())))
-        for a, b in zip(plain.trainable_weights, accum.trainable_weights)
-    )
-    results["plain_fit"] = state(accum.layers[1])
-
-    # 2. Inside GradientAccumulateModel: one group of two micro-batches.
-    model = build(
-        AccumBatchNormalization(2, momentum=0.0, synchronized=True),
-        GradientAccumulateModel,
-        accum_steps=2,
-    )
-    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
-    results["model_fit"] = state(model.layers[1])
-
-    # 3. Unequal and empty shards (5 + 2 rows, then 0 + 9), large mean.
-    with strategy.scope():
-        layer = AccumBatchNormalization(2, momentum=0.0, synchronized=True)
-        layer.build((None, 3))
-    shards = [(x_large[:5], x_large[5:7]), (x_large[7:7], x_large[7:16])]
-
-
-    @tf.function
-    def step(values):
-        strategy.run(lambda v: layer(v, training=True), args=(values,))
-
-
-    for pair in shards:
-        step(
-            strategy.experimental_distribute_values_from_function(
-                lambda ctx, pair=pair: tf.constant(pair[ctx.replica_id_in_sync_group])
-            )
-        )
-    results["unequal_shards"] = state(layer)
-    print("RESULTS " + json.dumps(results))
-"""
-
 
 @pytest.mark.slow
 def test_synchronized_under_mirrored_strategy_uses_the_global_batch():
-    stdout = run_script(_MIRRORED_SCRIPT, timeout=300, logical_cpus=2)
-    line = next(line for line in stdout.splitlines() if line.startswith("RESULTS "))
-    results = json.loads(line[len("RESULTS ") :])
+    # tests/scripts/mirrored_synchronized_bn.py: two replicas on logical CPUs.
+    results = script_results(run_script_module("mirrored_synchronized_bn", timeout=300))
     # Same forward/backward as Keras's synchronized BN: float32 rounding only.
     assert results["trainable_max_abs_diff"] <= 1e-5
     for case, reference in (

@@ -1,7 +1,6 @@
 """GradientAccumulateOptimizer: k micro-steps equal one inner step on the concatenated batch."""
 
 import doctest
-import json
 
 import keras
 import numpy as np
@@ -13,7 +12,14 @@ import gradient_accumulator
 from gradient_accumulator import optimizer as optimizer_module
 from gradient_accumulator.agc import adaptive_clip_gradients
 from gradient_accumulator.optimizer import GradientAccumulateOptimizer
-from tests.helpers import FLOAT16_ATOL, KERAS_VERSION, run_script
+from tests.helpers import (
+    FLOAT16_ATOL,
+    FLOAT32_ATOL,
+    KERAS_VERSION,
+    assert_diff_below,
+    run_script_module,
+    script_results,
+)
 
 # float32: the mean of k micro-batch mean gradients and the mean gradient of
 # the concatenated batch differ only by summation order (~1e-7 relative); the
@@ -612,109 +618,60 @@ def test_docstring_example(monkeypatch):
 
 # ----------------------------------------------------------- distributed --
 
-_MIRRORED_SCRIPT = """
-import json
-import numpy as np
-import tensorflow as tf
-
-import keras
-from gradient_accumulator.optimizer import GradientAccumulateOptimizer
-
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-rng = np.random.default_rng(1)
-x = rng.normal(size=(72, 5)).astype("float32")
-y = rng.normal(size=(72, 2)).astype("float32")
-
-
-def build():
-    return keras.Sequential([
-        keras.Input((5,)),
-        keras.layers.Dense(8, activation="tanh"),
-        keras.layers.Dense(2),
-    ])
-
-
-def max_diff(a, b):
-    return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b))
-
-
-results = {}
-OPTIMIZERS = {
-    "adam": lambda: keras.optimizers.Adam(0.01),
-    "sgd_clipnorm": lambda: keras.optimizers.SGD(0.5, momentum=0.9, clipnorm=0.05),
-    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
-    "schedule": lambda: keras.optimizers.SGD(
-        keras.optimizers.schedules.ExponentialDecay(0.2, 1, 0.5)
-    ),
+# GradientAccumulateOptimizer under MirroredStrategy (tests/scripts/mirrored_optimizer.py),
+# one process: case -> (updates, tolerance). Two replicas at the global
+# micro-batch 8, accum_steps=4; the reference trains on one device at the
+# global big batch 32. 64 samples for 2 epochs: 4 updates.
+MIRRORED_CASES = {
+    "loop_sgd_momentum": (4, FLOAT32_ATOL),
+    "loop_adam": (4, FLOAT32_ATOL),
+    "loop_adamw": (4, FLOAT32_ATOL),
+    "loop_rmsprop": (4, FLOAT32_ATOL),
+    "loop_schedule": (4, FLOAT32_ATOL),
+    "loop_use_ema": (4, FLOAT32_ATOL),
+    "loop_clipnorm": (4, FLOAT32_ATOL),
+    "loop_global_clipnorm": (4, FLOAT32_ATOL),
+    "loop_clipvalue": (4, FLOAT32_ATOL),
+    "loop_agc": (4, FLOAT32_ATOL),
+    # 80 samples, one epoch: groups of 4, 4 and 2 micro-steps, the last
+    # applied by apply_accumulated_gradients after the loop.
+    "loop_apply_rest": (3, FLOAT32_ATOL),
+    "loop_sparse_sgd": (4, FLOAT32_ATOL),
+    "loop_sparse_adam": (4, FLOAT32_ATOL),
+    "fit_adam": (4, FLOAT32_ATOL),
+    "fit_sgd_momentum": (4, FLOAT32_ATOL),
+    "fit_global_clipnorm": (4, FLOAT32_ATOL),
+    "fit_sparse_adam": (4, FLOAT32_ATOL),
+    "fit_mixed_float16": (4, FLOAT16_ATOL),
 }
-dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
-# Custom loop: 2 replicas x 4 samples per micro-step, 3 micro-steps per update.
-for name, make in OPTIMIZERS.items():
-    keras.utils.set_random_seed(0)
-    with strategy.scope():
-        model = build()
-        opt = GradientAccumulateOptimizer(make(), accum_steps=3)
-        opt.build(model.trainable_variables)
-    reference = build()
-    reference.set_weights(model.get_weights())
-    reference_opt = make()
 
-    @tf.function
-    def train(batch, model=model, opt=opt):
-        def step(xb, yb):
-            with tf.GradientTape() as tape:
-                per_sample = tf.reduce_mean(tf.square(model(xb) - yb), axis=-1)
-                loss = tf.nn.compute_average_loss(per_sample, global_batch_size=8)
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
 
-        strategy.run(step, args=batch)
-
-    for batch in strategy.experimental_distribute_dataset(dataset):
-        train(batch)
-    for start in range(0, 72, 24):
-        xb, yb = x[start : start + 24], y[start : start + 24]
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(reference(xb) - yb))
-        grads = tape.gradient(loss, reference.trainable_variables)
-        reference_opt.apply_gradients(zip(grads, reference.trainable_variables))
-    results["loop_" + name] = [
-        int(opt.iterations.numpy()), max_diff(model.get_weights(), reference.get_weights())
-    ]
-
-# compile/fit under the strategy.
-keras.utils.set_random_seed(0)
-with strategy.scope():
-    model = build()
-    model.compile(
-        optimizer=GradientAccumulateOptimizer(
-            keras.optimizers.Adam(0.01), accum_steps=3
-        ),
-        loss="mse",
-    )
-reference = build()
-reference.set_weights(model.get_weights())
-reference.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-reference.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0)
-results["fit"] = [
-    int(model.optimizer.iterations.numpy()),
-    max_diff(model.get_weights(), reference.get_weights()),
-]
-print("RESULTS" + json.dumps(results))
-"""
+@pytest.fixture(scope="module")
+def mirrored_results():
+    results = script_results(run_script_module("mirrored_optimizer", list(MIRRORED_CASES)))
+    assert results["replicas"] == 2
+    return results["results"]
 
 
 @pytest.mark.slow
-def test_mirrored_strategy_two_replicas():
-    stdout = run_script(_MIRRORED_SCRIPT, timeout=300, logical_cpus=2)
-    line = next(x for x in stdout.splitlines() if x.startswith("RESULTS"))
-    results = json.loads(line[len("RESULTS") :])
-    # Keras < 3.8's fit does not divide each replica's loss by the replicas
-    # while summing their gradients: there plain Keras, and so the wrapper it
-    # hands the gradients to, steps `replicas` times too far.
-    cases = ["loop_adam", "loop_sgd_clipnorm", "loop_adamw", "loop_schedule"]
-    for case in cases + (["fit"] if KERAS_VERSION >= (3, 8) else []):
-        iterations, diff = results[case]
-        assert iterations == 3, case
-        assert diff < ATOL, (case, diff)
+@pytest.mark.parametrize("case", list(MIRRORED_CASES))
+def test_mirrored_strategy_two_replicas(mirrored_results, case):
+    updates, atol = MIRRORED_CASES[case]
+    result = mirrored_results[case]
+    assert result["updates"] == updates, result
+    if case.startswith("fit_") and KERAS_VERSION < (3, 8):
+        # Keras < 3.8's fit does not divide each replica's loss by the
+        # replicas while summing their gradients: there plain Keras, and so
+        # the wrapper it hands the gradients to, steps `replicas` times too far.
+        pytest.skip("Keras < 3.8: fit under a strategy sums the replicas' mean losses")
+    assert result["moved"] > 1e-3, result  # the reference trained
+    if "unclipped_gap" in result:  # clipping must bite
+        assert result["unclipped_gap"] > 1e-3, result
+    if result["state_diff"] is not None:  # moments, EMA, ... of the inner optimizer
+        assert result["state_diff"] < atol, result
+    if "untouched_moved" in result:  # embedding rows no sample uses
+        assert result["untouched_moved"] == 0.0, result
+    if case == "fit_mixed_float16":
+        assert result["outer"] == ["LossScaleOptimizer", "GradientAccumulateOptimizer"]
+        assert result["scales"][0] == result["scales"][1], result
+    assert_diff_below(result["diff"], atol, result)

@@ -1,0 +1,37 @@
+"""Scripts the tests run in fresh processes (strategies, logical devices, worker clusters).
+
+A process can split its CPU into logical devices, or join a
+MultiWorkerMirroredStrategy cluster, only once and only before TensorFlow has
+initialised its devices, so every test that needs one runs a module of this
+package from the repository root, ``python -m tests.scripts.<name> [args]``
+(``tests.helpers.run_script_module`` and ``tests.helpers.run_workers``). Each
+script prints its figures as one JSON line starting with :data:`RESULTS`
+(``tests.helpers.script_results`` reads it back), and the test asserts on
+them. Importing TensorFlow, Keras and the package does not initialise the
+devices; a script calls :func:`split_cpu` (or creates its
+MultiWorkerMirroredStrategy) first in ``main()``, before anything else runs.
+"""
+
+import json
+
+RESULTS = "RESULTS "
+
+
+def split_cpu(count):
+    """Splits the CPU into ``count`` logical devices, ``/cpu:0`` to ``/cpu:{count-1}``.
+
+    Call before any other TensorFlow use in the process: TensorFlow refuses
+    once its devices are initialised.
+    """
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * count
+    )
+    return [f"/cpu:{index}" for index in range(count)]
+
+
+def print_results(results):
+    """Prints ``results`` (JSON-serialisable) as the script's one results line."""
+    print(RESULTS + json.dumps(results), flush=True)
