@@ -13,9 +13,12 @@ from tests.helpers import (
     MICRO_BATCH,
     assert_close,
     build_dense,
+    build_embedding,
     make_regression_data,
+    make_token_data,
     max_abs_diff,
     numpy_agc,
+    train_big_batches,
     train_pair,
 )
 
@@ -241,6 +244,43 @@ def test_multi_input_multi_output_with_loss_weights_and_add_loss():
         },
     )
     assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
+
+
+SPARSE_OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.5),
+    "adam": OPTIMIZERS["adam"],
+}
+
+
+@pytest.mark.parametrize("optimizer", list(SPARSE_OPTIMIZERS))
+def test_sparse_embedding_gradients_equal_big_batch(optimizer):
+    # The Embedding's gradient is tf.IndexedSlices, and every micro-batch
+    # repeats token ids. The wrapper scatter-adds them into a dense float32
+    # sum and hands the optimizer the dense mean. SGD's reference is plain
+    # Keras on the raw IndexedSlices (its sparse update scatter-adds, summing
+    # repeats as the dense gradient does); Adam's has its gradients densified
+    # (Keras's sparse Adam squares each repeat's slice before summing).
+    x, y = make_token_data(72)
+    probe = build_embedding()
+    with tf.GradientTape() as tape:
+        loss = keras.ops.mean(keras.ops.square(probe(x[:MICRO_BATCH]) - y[:MICRO_BATCH]))
+    assert isinstance(tape.gradient(loss, probe.trainable_variables)[0], tf.IndexedSlices)
+    make = SPARSE_OPTIMIZERS[optimizer]
+    if optimizer == "sgd":
+        reference = build_embedding()
+        reference.compile(make(), "mse")
+        reference.fit(x, y, batch_size=4 * MICRO_BATCH, epochs=2, shuffle=False, verbose=0)
+    else:
+        reference, _ = train_big_batches(
+            build_embedding, make, x, y, 4 * MICRO_BATCH, epochs=2, densify=True
+        )
+    model = build_embedding(GradientAccumulateModel, accum_steps=4)
+    model.compile(make(), "mse")
+    model.fit(x, y, batch_size=MICRO_BATCH, epochs=2, shuffle=False, verbose=0)
+    assert_close(reference.get_weights(), model.get_weights(), FLOAT32_ATOL)
+    # 9 micro-batches per epoch in groups of 4, 4 and 1: 3 updates per epoch.
+    assert int(model.optimizer.iterations.numpy()) == 6
+    assert max_abs_diff(reference.get_weights(), build_embedding().get_weights()) > 1e-2
 
 
 @pytest.mark.parametrize(
