@@ -16,6 +16,16 @@ replica's values they carry:
   MirroredStrategy (keras-team/keras issue 20582): it is tried, and the error's
   first line is reported.
 
+Then an embedding model (``Embedding(50_000, 64)``, mean over 16 tokens, a
+softmax head; token ids below 1000, so each update touches few rows) with the
+library, once per update: its update all-reduces the dense float32 sum of the
+whole table, 4 bytes per entry whatever rows were touched, printed next to
+the dense model's figure with the rows the update's micro-batches touched and
+the size of one micro-batch's sparse gradient (``tf.IndexedSlices``: one row
+of values and one int32 index per token, what a sparse reduction would carry
+from each replica; not counted here, as ``CountingCrossDeviceOps`` sizes every
+value by its dense shape).
+
 Figures are per ``k`` micro-batches (the samples of one accumulated update;
 plain Keras makes ``k`` updates on them). Times: each configuration's
 ``train_function`` runs ``k`` micro-steps per turn on an endless distributed
@@ -40,10 +50,12 @@ from benchmarks._common import (
     parser,
     print_table,
     save,
+    trainable_parameters,
 )
 
 ACCUM_STEPS = 4
 REPLICAS = 2
+SEQUENCE_LENGTH = 16
 EVERY_MICRO_STEP = "library_every_micro_step"
 NAMES = {
     PLAIN: "plain Keras (micro-batch)",
@@ -69,6 +81,63 @@ def _first_line(error):
     return text
 
 
+def embedding_model(vocabulary, dim, classes=10, seed=0):
+    """Token ids -> ``Embedding(vocabulary, dim)`` -> mean over the sequence -> softmax."""
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((SEQUENCE_LENGTH,), dtype="int32")
+    embedded = keras.layers.Embedding(vocabulary, dim, name="embedding")(inputs)
+    pooled = keras.layers.GlobalAveragePooling1D()(embedded)
+    return inputs, keras.layers.Dense(classes, activation="softmax")(pooled)
+
+
+def embedding_figures(strategy, counter, quick, micro_batch):
+    """Counts one update of the embedding model; returns its figures (bytes)."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from benchmarks._common import compiled, repeating_iterator, time_calls
+
+    vocabulary, dim, used = (2_000, 16, 100) if quick else (50_000, 64, 1_000)
+    global_batch = REPLICAS * micro_batch
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, used, size=(2 * ACCUM_STEPS * global_batch, SEQUENCE_LENGTH))
+    x = x.astype("int32")
+    y = rng.integers(0, 10, size=(len(x),)).astype("int32")
+    with strategy.scope():
+        model = compiled(LIBRARY, *embedding_model(vocabulary, dim), ACCUM_STEPS)
+    model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0)  # trace
+    iterator = repeating_iterator(x, y, global_batch, strategy)
+    time_calls(model.train_function, iterator, 2 * ACCUM_STEPS)  # new signature
+    before = int(counter.reductions.numpy()), int(counter.bytes.numpy())
+    updates = int(model.optimizer.iterations.numpy())
+    time_calls(model.train_function, iterator, ACCUM_STEPS)  # one group: the first k batches
+    table = model.get_layer("embedding").embeddings
+    # One replica's micro-batch: its gradient is a tf.IndexedSlices.
+    with tf.GradientTape() as tape:
+        probs = model(x[:micro_batch])
+        loss = keras.losses.sparse_categorical_crossentropy(y[:micro_batch], probs)
+    slices = tape.gradient(loss, table)
+    assert isinstance(slices, tf.IndexedSlices), type(slices)
+    group = x[: ACCUM_STEPS * global_batch]
+    return {
+        "vocabulary": vocabulary,
+        "dim": dim,
+        "table_bytes": 4 * vocabulary * dim,
+        "trainable_parameters": trainable_parameters(model),
+        "reductions": int(counter.reductions.numpy()) - before[0],
+        "bytes": int(counter.bytes.numpy()) - before[1],
+        "updates": int(model.optimizer.iterations.numpy()) - updates,
+        "rows_touched_per_update": int(len(np.unique(group))),
+        "indexed_slices_bytes_per_micro_batch": int(
+            slices.values.shape.num_elements() * slices.values.dtype.size
+            + slices.indices.shape.num_elements() * slices.indices.dtype.size
+        ),
+    }
+
+
 def main():
     args = parser(__doc__.splitlines()[0]).parse_args()
     logical_cpus(REPLICAS)  # before anything else starts TensorFlow's devices
@@ -82,7 +151,6 @@ def main():
         dense_model,
         repeating_iterator,
         time_calls,
-        trainable_parameters,
     )
     from gradient_accumulator.distribute import CountingCrossDeviceOps
 
@@ -189,6 +257,37 @@ def main():
         rows,
     )
 
+    embedding = embedding_figures(strategy, counter, quick, micro_batch)
+    dense = record[LIBRARY]
+    print_table(
+        f"library, once per update (k={ACCUM_STEPS}): bytes all-reduced per update; the "
+        f"embedding model's table is Embedding({embedding['vocabulary']}, {embedding['dim']}), "
+        f"its tokens touch {embedding['rows_touched_per_update']} rows per update",
+        ["model", "parameters", "all-reduces / update", "MiB / update", "of which the table"],
+        [
+            [
+                "dense",
+                params,
+                f"{dense['reductions_per_update']:.0f}",
+                f"{dense['mb_per_update']:.2f}",
+                "",
+            ],
+            [
+                "embedding",
+                embedding["trainable_parameters"],
+                f"{embedding['reductions'] / embedding['updates']:.0f}",
+                f"{embedding['bytes'] / embedding['updates'] / 2**20:.2f}",
+                f"{embedding['table_bytes'] / 2**20:.2f} (4 x {embedding['vocabulary']} x "
+                f"{embedding['dim']} bytes)",
+            ],
+        ],
+    )
+    print(
+        "one replica's micro-batch gradient of the table as tf.IndexedSlices: "
+        f"{embedding['indexed_slices_bytes_per_micro_batch'] / 2**20:.3f} MiB "
+        f"({micro_batch} samples x {SEQUENCE_LENGTH} tokens, values and int indices)"
+    )
+
     def plot(ax):
         names = [n for n in NAMES if n not in crashes]
         xs = np.arange(len(names))
@@ -222,6 +321,7 @@ def main():
             "rounds": rounds,
             "quick": quick,
             "results": record,
+            "embedding": embedding,
         },
         plot,
     )

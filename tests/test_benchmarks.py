@@ -8,6 +8,7 @@ JSON and PNG files with the keys its documentation promises.
 """
 
 import json
+import warnings
 
 import pytest
 
@@ -49,7 +50,7 @@ EXPECTED = {
         {"flavour", "effective_batch", "batch", "accum_steps", "peak_mb", "extra_mb"},
     ),
     "communication": (
-        {"accum_steps", "replicas", "trainable_parameters", "rounds", "results"},
+        {"accum_steps", "replicas", "trainable_parameters", "rounds", "results", "embedding"},
         None,  # checked in the test: crashed configurations hold only "crashes"
     ),
     "bn_overhead": (
@@ -140,7 +141,27 @@ def test_communication_counts_reductions_and_reports_the_builtin_crash(quick):
     for name in ("plain", "library", "library_every_micro_step"):
         assert results[name]["ms_per_k_micro_batches"] > 0
         assert results[name]["time_over_plain"] > 0
-    # keras-team/keras issue 20582: if Keras fixes it, this fails and says so.
-    assert set(results["keras_builtin"]) == {"crashes"}
-    assert "merge_call" in results["keras_builtin"]["crashes"]
-    assert "crashes" in stdout
+    # The embedding model: one reduction per update of the dense float32 sum
+    # of every variable, the whole table included (4 bytes per entry), and
+    # the weight sum, whatever rows the micro-batches touched.
+    embedding = payload["embedding"]
+    assert embedding["updates"] == 1
+    assert embedding["reductions"] == 1
+    assert embedding["bytes"] == 4 * embedding["trainable_parameters"] + 4
+    assert embedding["table_bytes"] == 4 * embedding["vocabulary"] * embedding["dim"]
+    assert embedding["rows_touched_per_update"] < embedding["vocabulary"]
+    assert 0 < embedding["indexed_slices_bytes_per_micro_batch"] < embedding["table_bytes"]
+    # Keras's built-in accumulation: crashes with keras-team/keras issue
+    # 20582's error, or, once Keras fixes it, trains; recorded, not required.
+    builtin = results["keras_builtin"]
+    if "crashes" in builtin:
+        assert set(builtin) == {"crashes"}
+        assert "merge_call" in builtin["crashes"]
+        assert "crashes" in stdout
+    else:
+        assert builtin["updates"] == 1, builtin
+        warnings.warn(
+            "keras-team/keras issue 20582 looks fixed: Keras's built-in accumulation "
+            "trains under MirroredStrategy; update the benchmarks page.",
+            stacklevel=1,
+        )
