@@ -26,7 +26,8 @@ holding, per case, every replica's copy of ``moving_mean`` and
   a one-device model.
 - ``validation``: the ``shards`` model with validation data: the
   ``val_loss`` of ``fit`` and the loss of a one-device model holding the
-  global statistics on the same data.
+  global statistics on the same data (and whether plain Keras reports its
+  own ``val_loss`` right under the strategy, which Keras < 3.8 does not).
 - ``keras_bn_averaged``: Keras ``BatchNormalization`` in a
   ``GradientAccumulateModel`` (default ``average_batchnorm_statistics=True``),
   and in a plain ``keras.Model`` with ``AverageBatchNormStatistics``: copies
@@ -123,12 +124,36 @@ def shards(strategy, folder):
     single.compile(keras.optimizers.SGD(0.0), "mse")
     single.set_weights(weights)
     results["one_device_val_loss"] = float(single.evaluate(x[:16], y[:16] + 1.0, verbose=0))
+    results["keras_validation_is_right"] = _keras_validation_is_right(strategy, x, y + 1.0)
     single.load_weights(checkpoint)
     results["checkpoint"] = {
         "moving_mean": np.asarray(layer.moving_mean.numpy()).tolist(),
         "moving_variance": np.asarray(layer.moving_variance.numpy()).tolist(),
     }
     return results
+
+
+def _keras_validation_is_right(strategy, x, y):
+    """Whether plain Keras's ``val_loss`` under the strategy is one device's loss.
+
+    Keras before 3.8 reports a wrong validation loss under MirroredStrategy
+    (about the sum over replicas), with or without this library.
+    """
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((3,))
+        model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(keras.optimizers.SGD(0.0), "mse")
+    history = model.fit(
+        x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, validation_data=(x[:16], y[:16])
+    )
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    single = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    single.compile(keras.optimizers.SGD(0.0), "mse")
+    single.set_weights(model.get_weights())
+    expected = single.evaluate(x[:16], y[:16], verbose=0)
+    return bool(np.isclose(history.history["val_loss"][-1], expected, rtol=1e-6))
 
 
 def equal_shards(strategy):

@@ -20,15 +20,17 @@ from tests.scripts import print_results
 
 
 def _shards(strategy):
-    """Each worker's own rows: -5 on worker 0, +5 on worker 1, 4 per micro-step."""
+    """Each worker's own rows: -5 on worker 0, +5 on worker 1.
 
-    def dataset_fn(context):
-        value = -5.0 if context.input_pipeline_id == 0 else 5.0
-        x = np.full((16, 3), value, "float32")
-        y = np.zeros((16, 1), "float32")
-        return tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
-
-    return strategy.distribute_datasets_from_function(dataset_fn)
+    Each worker reads its own dataset (no auto-sharding) of global batches of
+    8, of which its one replica takes 4: its own value.
+    """
+    value = -5.0 if strategy.cluster_resolver.task_id == 0 else 5.0
+    x = np.full((32, 3), value, "float32")
+    y = np.zeros((32, 1), "float32")
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(8).with_options(options)
 
 
 def _statistics(layer):
@@ -48,7 +50,7 @@ def main():
             accum_steps=2, inputs=inputs, outputs=keras.layers.Dense(1)(layer(inputs))
         )
         model.compile(keras.optimizers.SGD(0.0), "mse")
-    model.fit(_shards(strategy), epochs=1, steps_per_epoch=4, verbose=0)
+    model.fit(_shards(strategy), epochs=1, verbose=0)
     results = {"replicas": strategy.num_replicas_in_sync, "fit": _statistics(layer)}
 
     with strategy.scope():
@@ -59,7 +61,7 @@ def main():
     def step(batch):
         strategy.run(lambda x, y: alone(x, training=True), args=batch)
 
-    for batch in _shards(strategy):
+    for batch in strategy.experimental_distribute_dataset(_shards(strategy)):
         step(batch)
     results["on_its_own"] = _statistics(alone)
     print_results(results)
