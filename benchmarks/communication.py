@@ -138,6 +138,54 @@ def embedding_figures(strategy, counter, quick, micro_batch):
     }
 
 
+def batchnorm_model(width, channels, seed=0):
+    """Dense -> unsynchronized AccumBatchNormalization, twice, -> softmax head."""
+    import keras
+
+    from gradient_accumulator import AccumBatchNormalization
+
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((256,))
+    hidden = inputs
+    for units in (width, channels):
+        hidden = keras.layers.Dense(units)(hidden)
+        hidden = AccumBatchNormalization(accum_steps=ACCUM_STEPS)(hidden)
+        hidden = keras.layers.ReLU()(hidden)
+    return inputs, keras.layers.Dense(10, activation="softmax")(hidden)
+
+
+def batchnorm_figures(strategy, counter, quick, micro_batch):
+    """Counts one update of the model with BN layers; returns its figures (bytes).
+
+    Unsynchronized ``AccumBatchNormalization`` layers merge every replica's
+    pending statistics at the update: ``replicas x 4 x channels`` float32
+    values per layer travel in the update's one batched all-reduce.
+    """
+    from benchmarks._common import classification_data, compiled, repeating_iterator, time_calls
+
+    width, channels = (64, 32) if quick else (1024, 512)
+    global_batch = REPLICAS * micro_batch
+    x, y = classification_data(2 * ACCUM_STEPS * global_batch, (256,))
+    with strategy.scope():
+        model = compiled(LIBRARY, *batchnorm_model(width, channels), ACCUM_STEPS)
+    model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0)  # trace
+    iterator = repeating_iterator(x, y, global_batch, strategy)
+    time_calls(model.train_function, iterator, 2 * ACCUM_STEPS)  # new signature
+    before = int(counter.reductions.numpy()), int(counter.bytes.numpy())
+    updates = int(model.optimizer.iterations.numpy())
+    time_calls(model.train_function, iterator, ACCUM_STEPS)
+    params = trainable_parameters(model)
+    return {
+        "trainable_parameters": params,
+        "channels": [width, channels],
+        "reductions": int(counter.reductions.numpy()) - before[0],
+        "bytes": int(counter.bytes.numpy()) - before[1],
+        "updates": int(model.optimizer.iterations.numpy()) - updates,
+        "gradient_bytes": 4 * params + 4,
+        "statistics_bytes": 4 * REPLICAS * 4 * (width + channels),
+    }
+
+
 def main():
     args = parser(__doc__.splitlines()[0]).parse_args()
     logical_cpus(REPLICAS)  # before anything else starts TensorFlow's devices
@@ -282,6 +330,26 @@ def main():
             ],
         ],
     )
+    batchnorm = batchnorm_figures(strategy, counter, quick, micro_batch)
+    print_table(
+        f"library, once per update (k={ACCUM_STEPS}): a dense model with two "
+        f"unsynchronized AccumBatchNormalization layers of {batchnorm['channels']} channels, "
+        "whose replicas' pending statistics are merged in the update's all-reduce",
+        [
+            "all-reduces / update",
+            "bytes / update",
+            "gradients + weight sum",
+            "BN statistics (replicas x 4 x channels)",
+        ],
+        [
+            [
+                f"{batchnorm['reductions'] / batchnorm['updates']:.0f}",
+                batchnorm["bytes"] // batchnorm["updates"],
+                batchnorm["gradient_bytes"],
+                batchnorm["statistics_bytes"],
+            ]
+        ],
+    )
     print(
         "one replica's micro-batch gradient of the table as tf.IndexedSlices: "
         f"{embedding['indexed_slices_bytes_per_micro_batch'] / 2**20:.3f} MiB "
@@ -322,6 +390,7 @@ def main():
             "quick": quick,
             "results": record,
             "embedding": embedding,
+            "batchnorm": batchnorm,
         },
         plot,
     )

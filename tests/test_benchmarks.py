@@ -148,6 +148,13 @@ def test_communication_counts_reductions_and_reports_the_builtin_crash(quick):
     assert embedding["updates"] == 1
     assert embedding["reductions"] == 1
     assert embedding["bytes"] == 4 * embedding["trainable_parameters"] + 4
+    # Unsynchronized AccumBatchNormalization: the replicas' pending statistics
+    # (replicas x 4 x channels per layer) ride in the same single reduction.
+    batchnorm = payload["batchnorm"]
+    assert batchnorm["updates"] == 1
+    assert batchnorm["reductions"] == 1
+    assert batchnorm["bytes"] == batchnorm["gradient_bytes"] + batchnorm["statistics_bytes"]
+    assert batchnorm["statistics_bytes"] == 4 * 2 * 4 * sum(batchnorm["channels"])
     assert embedding["table_bytes"] == 4 * embedding["vocabulary"] * embedding["dim"]
     assert embedding["rows_touched_per_update"] < embedding["vocabulary"]
     assert 0 < embedding["indexed_slices_bytes_per_micro_batch"] < embedding["table_bytes"]
