@@ -81,6 +81,24 @@ def build_classifier(cls=keras.Model, seed=0, **kwargs):
     return cls(inputs=inputs, outputs=outputs, **kwargs)
 
 
+# The optimizers of the distributed feature tables (tests/scripts/mirrored_*.py),
+# every one a case against one device at the global big batch.
+TABLE_OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
+    "schedule": lambda: keras.optimizers.SGD(
+        keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
+    ),
+    "use_ema": lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.5),
+    "clipnorm": lambda: keras.optimizers.SGD(0.5, clipnorm=0.05),
+    "global_clipnorm": lambda: keras.optimizers.SGD(0.5, global_clipnorm=0.05),
+    "clipvalue": lambda: keras.optimizers.SGD(0.5, clipvalue=0.01),
+}
+CLIPPING_OPTIMIZERS = {"clipnorm", "global_clipnorm", "clipvalue"}
+
+
 def make_classification_data(num_samples=NUM_SAMPLES, seed=1):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(num_samples, 6)).astype("float32")

@@ -9,11 +9,14 @@ from gradient_accumulator import GradientAccumulateModel
 from tests.helpers import (
     FLOAT16_ATOL,
     FLOAT32_ATOL,
-    KERAS_VERSION,
     MICRO_BATCH,
     assert_close,
+    build_classifier,
     build_dense,
     build_embedding,
+    build_multi_io,
+    make_classification_data,
+    make_multi_io_data,
     make_regression_data,
     make_token_data,
     max_abs_diff,
@@ -148,40 +151,11 @@ def test_ema_averages_once_per_update():
     assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
 
 
-# Keras divides an activity regularizer's loss by the batch size from 3.14 on;
-# before, it is a sum over the batch, a loss that is not a mean over samples
-# (see GradientAccumulateModel: not identical to the big batch), so the
-# classifier has one only where Keras makes it a mean.
-_ACTIVITY_REGULARIZER_IS_A_MEAN = KERAS_VERSION >= (3, 14)
-
-
-def _build_classifier(cls, seed=0, **kwargs):
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((6,))
-    hidden = keras.layers.Dense(
-        12,
-        activation="relu",
-        kernel_regularizer=keras.regularizers.L2(1e-2),
-        activity_regularizer=keras.regularizers.L2(1e-3)
-        if _ACTIVITY_REGULARIZER_IS_A_MEAN
-        else None,
-    )(inputs)
-    outputs = keras.layers.Dense(3, activation="softmax")(hidden)
-    return cls(inputs=inputs, outputs=outputs, **kwargs)
-
-
-def _classification_data(num_samples=76, seed=1):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(num_samples, 6)).astype("float32")
-    y = rng.integers(0, 3, size=(num_samples,))
-    return x, y
-
-
 def test_sample_weight_and_regularizers():
-    x, y = _classification_data()
+    x, y = make_classification_data()
     sample_weight = np.random.default_rng(2).uniform(0.1, 3.0, size=len(x))
     reference, accumulating = train_pair(
-        _build_classifier,
+        build_classifier,
         OPTIMIZERS["adam"],
         x,
         y,
@@ -192,9 +166,9 @@ def test_sample_weight_and_regularizers():
 
 
 def test_class_weight():
-    x, y = _classification_data()
+    x, y = make_classification_data()
     reference, accumulating = train_pair(
-        _build_classifier,
+        build_classifier,
         OPTIMIZERS["sgd_momentum"],
         x,
         y,
@@ -204,37 +178,10 @@ def test_class_weight():
     assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
 
 
-class _MeanActivationLoss(keras.layers.Layer):
-    """Adds a per-sample-mean penalty with ``add_loss``."""
-
-    def call(self, inputs):
-        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(inputs)))
-        return inputs
-
-
-def _build_multi_io(cls, seed=0, **kwargs):
-    keras.utils.set_random_seed(seed)
-    a = keras.Input((4,), name="a")
-    b = keras.Input((3,), name="b")
-    merged = keras.layers.Concatenate()([a, b])
-    hidden = _MeanActivationLoss()(keras.layers.Dense(8, activation="tanh")(merged))
-    first = keras.layers.Dense(1, name="first")(hidden)
-    second = keras.layers.Dense(2, activation="softmax", name="second")(hidden)
-    return cls(inputs={"a": a, "b": b}, outputs={"first": first, "second": second}, **kwargs)
-
-
 def test_multi_input_multi_output_with_loss_weights_and_add_loss():
-    rng = np.random.default_rng(3)
-    x = {
-        "a": rng.normal(size=(76, 4)).astype("float32"),
-        "b": rng.normal(size=(76, 3)).astype("float32"),
-    }
-    y = {
-        "first": rng.normal(size=(76, 1)).astype("float32"),
-        "second": rng.integers(0, 2, size=(76,)),
-    }
+    x, y = make_multi_io_data()
     reference, accumulating = train_pair(
-        _build_multi_io,
+        build_multi_io,
         OPTIMIZERS["rmsprop"],
         x,
         y,

@@ -28,6 +28,8 @@ import tensorflow as tf
 
 from gradient_accumulator import AccumBatchNormalization, GradientAccumulateModel
 from tests.helpers import (
+    CLIPPING_OPTIMIZERS,
+    TABLE_OPTIMIZERS,
     build_classifier,
     build_dense,
     build_embedding,
@@ -48,20 +50,8 @@ GLOBAL_MICRO_BATCH = REPLICAS * MICRO_BATCH
 ACCUM_STEPS = 4
 BIG_BATCH = ACCUM_STEPS * GLOBAL_MICRO_BATCH
 
-OPTIMIZERS = {
-    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
-    "adam": lambda: keras.optimizers.Adam(0.01),
-    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
-    "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
-    "schedule": lambda: keras.optimizers.SGD(
-        keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
-    ),
-    "use_ema": lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.5),
-    "clipnorm": lambda: keras.optimizers.SGD(0.5, clipnorm=0.05),
-    "global_clipnorm": lambda: keras.optimizers.SGD(0.5, global_clipnorm=0.05),
-    "clipvalue": lambda: keras.optimizers.SGD(0.5, clipvalue=0.01),
-}
-CLIPPED = {"clipnorm", "global_clipnorm", "clipvalue"}
+OPTIMIZERS = TABLE_OPTIMIZERS
+CLIPPED = CLIPPING_OPTIMIZERS
 
 
 # ----------------------------------------------------------------- helpers --
