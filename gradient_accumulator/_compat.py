@@ -22,9 +22,10 @@ from keras.src.models.functional import Functional  # noqa: E402, F401  # isort:
 # (see `distribute.gradients_already_reduced`, which replaces it per instance).
 OPTIMIZER_ALL_REDUCE_METHOD = "_all_reduce_sum_gradients"
 
-# Private hooks of `keras.Model` that `GradientAccumulateModel` overrides, with
-# the parameters the override relies on.
-OVERRIDDEN_MODEL_HOOKS = {"_maybe_symbolic_build": ("iterator", "data_batch")}
+# Private hooks of `keras.Model` that `GradientAccumulateModel` overrides: the
+# Keras version that introduced each (before it, Keras never calls it and the
+# override is inert) and the parameters the override relies on.
+OVERRIDDEN_MODEL_HOOKS = {"_maybe_symbolic_build": ((3, 5), ("iterator", "data_batch"))}
 
 
 # ----------------------------------------------------------------------------

@@ -66,7 +66,9 @@ def test_creation_strategy_is_none_outside_any_scope():
 
 
 def test_overridden_model_hooks_exist_with_their_parameters():
-    for name, parameters in _compat.OVERRIDDEN_MODEL_HOOKS.items():
+    for name, (since, parameters) in _compat.OVERRIDDEN_MODEL_HOOKS.items():
+        if _compat.keras_version() < since:
+            continue  # Keras does not call it yet: the override is inert
         hook = getattr(keras.Model, name, None)
         assert hook is not None, _changed(f"keras.Model.{name}", "it no longer exists")
         signature = inspect.signature(hook).parameters

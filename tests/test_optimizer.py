@@ -461,11 +461,12 @@ def test_variables_hold_accumulation_state():
     for weight in model.trainable_variables:
         assert any(n.endswith(weight.path.replace("/", "_") + "_accumulator") for n in names)
     assert any(n.endswith("/micro_step") for n in names)
-    assert all(isinstance(v, keras.Variable) for v in optimizer.variables)
+    assert all(hasattr(v, "path") for v in optimizer.variables)
     ids = {id(v) for v in optimizer.variables}
     assert all(id(v) in ids for v in optimizer.inner_optimizer.variables)
-    model.compile(optimizer, "mse")
-    assert "optimizer_variables" in model.get_state_tree()
+    if hasattr(model, "get_state_tree"):  # Keras >= 3.6
+        model.compile(optimizer, "mse")
+        assert "optimizer_variables" in model.get_state_tree()
 
 
 def test_config_round_trip():
