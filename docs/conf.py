@@ -37,7 +37,18 @@ extensions = [
 # Every name in these modules' __all__ (but __version__), and every extra
 # name, must be documented on the API page; see docs/_ext/api_coverage.py.
 api_coverage_modules = ["gradient_accumulator"]
-api_coverage_extra_names = ["gradient_accumulator.utils.replace_batchnorm_layers"]
+api_coverage_extra_names = [
+    "gradient_accumulator.utils.replace_batchnorm_layers",
+    # The methods a user calls, beyond Keras's own.
+    "gradient_accumulator.GradientAccumulateModel.apply_accumulated_gradients",
+    "gradient_accumulator.GradientAccumulateModel.wrapper_config",
+    "gradient_accumulator.GradientAccumulateOptimizer.apply_gradients",
+    "gradient_accumulator.GradientAccumulateOptimizer.apply",
+    "gradient_accumulator.GradientAccumulateOptimizer.apply_accumulated_gradients",
+    "gradient_accumulator.GradientAccumulateOptimizer.accumulation_variables",
+    "gradient_accumulator.AccumBatchNormalization.apply_pending_statistics",
+    "gradient_accumulator.AccumBatchNormalization.accumulation_variables",
+]
 
 # Keras's own docstrings are not written for this site; show ours only.
 autodoc_inherit_docstrings = False

@@ -56,6 +56,7 @@ MODEL_CASES = {
     "sparse_adam": ("sparse_mixed", 6, FLOAT32_ATOL),
     # 64 samples; each epoch's first group overflows and is skipped.
     "mixed_float16": ("sparse_mixed", 2, FLOAT16_ATOL),
+    "sparse_mixed_float16": ("sparse_mixed", 6, FLOAT16_ATOL),
     "batchnorm": ("state", 6, FLOAT32_ATOL),
     # 64 samples, one epoch, interrupted, saved, restored, resumed.
     "resume_checkpoint": ("state", 2, FLOAT32_ATOL),
@@ -116,6 +117,13 @@ def test_mirrored_mixed_float16_with_an_overflow_equals_one_device(mirrored_mode
     # Each epoch's first group overflows: skipped twice, the scale halved twice.
     assert result["scales"][0] == result["scales"][1] == 2.0**13, result
     assert result["sums_finite"], result
+    assert_diff_below(result["diff"], FLOAT16_ATOL, result)
+
+
+@pytest.mark.slow
+def test_mirrored_sparse_gradients_under_mixed_float16_keep_the_loss_scale(mirrored_model):
+    result = mirrored_model("sparse_mixed")["sparse_mixed_float16"]
+    assert result["scales"][0] == result["scales"][1], result
     assert_diff_below(result["diff"], FLOAT16_ATOL, result)
 
 

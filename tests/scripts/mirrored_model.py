@@ -300,6 +300,24 @@ def mixed_float16(strategy, workdir):
     return result
 
 
+def sparse_mixed_float16(strategy, workdir):
+    """Embedding gradients under mixed_float16 (SGD): float16 IndexedSlices are
+    unscaled and scatter-added into float32 sums on each replica. Reference:
+    plain Keras under the same policy at the big batch, on one device.
+    ``scales``: both final loss scales."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        x, y = make_token_data(72, shard_size=MICRO_BATCH)
+        reference, model = fit_pair(
+            strategy, lambda: keras.optimizers.SGD(0.5), (x, y), build=build_embedding
+        )
+        result = compare(reference, model, build_embedding)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    result["scales"] = [float(m.optimizer.dynamic_scale.numpy()) for m in (reference, model)]
+    return result
+
+
 def _numpy_moving_statistics(x, groups, momentum, epochs):
     """Moving mean and variance after each group's float64 statistics, as Keras updates them."""
     mean, variance = np.zeros(x.shape[-1]), np.ones(x.shape[-1])
@@ -440,6 +458,7 @@ CASES = {
     "sparse_sgd": sparse_case("sgd"),
     "sparse_adam": sparse_case("adam"),
     "mixed_float16": mixed_float16,
+    "sparse_mixed_float16": sparse_mixed_float16,
     "batchnorm": batchnorm,
     "resume_checkpoint": resume_case("checkpoint"),
     "resume_save_weights": resume_case("save_weights"),
