@@ -7,7 +7,9 @@ the private attribute, says why, and is checked by ``tests/test_compat.py``
 breaks one of them is found by CI, not by a user).
 """
 
+import contextlib
 import inspect
+import threading
 
 import keras
 import tensorflow as tf
@@ -40,6 +42,67 @@ def sublayers(layer, recursive=True):
     ``layer.layers`` lists only a model's direct, graph-connected layers.
     """
     return list(layer._flatten_layers(include_self=False, recursive=recursive))
+
+
+_reductions = threading.local()
+
+
+def _recording_reduce_weighted_values(original):
+    def reduce_weighted_values(values, sample_weight=None, mask=None, *args, **kwargs):
+        loss = original(values, sample_weight, mask, *args, **kwargs)
+        records = getattr(_reductions, "records", None)
+        if records is not None:
+            reduction = kwargs.get("reduction", args[0] if args else "sum_over_batch_size")
+            records.append((values, sample_weight, mask, reduction, loss))
+        return loss
+
+    reduce_weighted_values.recorded = original
+    return reduce_weighted_values
+
+
+@contextlib.contextmanager
+def recorded_loss_reductions():
+    """Records every loss reduction a Keras ``Loss`` makes inside (this thread only).
+
+    Yields a list that receives ``(values, sample_weight, mask, reduction,
+    loss)`` per call of ``keras.losses.Loss.__call__``: the unreduced values,
+    the sample weights and mask it combines, its reduction and the result.
+    Keras exposes none of them (``Loss.__call__`` hands them to its module's
+    private ``reduce_weighted_values``, which is wrapped once, on first use,
+    by a function that records only while this context is active). The model
+    wrapper reads from them the normaliser Keras divides each loss by
+    (:mod:`gradient_accumulator.weighting`).
+    """
+    from keras.src.losses import loss as loss_module
+
+    if not hasattr(loss_module.reduce_weighted_values, "recorded"):
+        loss_module.reduce_weighted_values = _recording_reduce_weighted_values(
+            loss_module.reduce_weighted_values
+        )
+    previous = getattr(_reductions, "records", None)
+    _reductions.records = records = []
+    try:
+        yield records
+    finally:
+        _reductions.records = previous
+
+
+def keras_apply_mask(sample_weight, mask, dtype, reduction):
+    """Keras's own merge of a mask into sample weights (``losses.loss.apply_mask``).
+
+    With ``squeeze_or_expand_to_same_rank`` (below), what ``reduce_weighted_values``
+    does before it divides; reused so that a normaliser is Keras's to the bit.
+    """
+    from keras.src.losses import loss as loss_module
+
+    return loss_module.apply_mask(sample_weight, mask, dtype=dtype, reduction=reduction)
+
+
+def keras_squeeze_or_expand_to_same_rank(x1, x2):
+    """Keras's rank alignment of losses and their weights (``losses.loss``)."""
+    from keras.src.losses import loss as loss_module
+
+    return loss_module.squeeze_or_expand_to_same_rank(x1, x2)
 
 
 def loss_tracker(model):

@@ -160,6 +160,23 @@ def _sum_if_in_cross_replica(condition, values, fn):
     tf.distribute.get_replica_context().merge_call(decide, args=(condition, *values))
 
 
+class MicroStep:
+    """What is known of a micro-step before its forward pass.
+
+    Attributes:
+        is_update_step: Boolean scalar, whether it ends its group.
+        is_first: Boolean scalar, whether it starts its group.
+        group_length: Float32 scalar ``K``, the micro-steps its group is
+            planned to have (``accum_steps``, or fewer at the end of an
+            epoch of known length).
+    """
+
+    def __init__(self, is_update_step, is_first, group_length):
+        self.is_update_step = is_update_step
+        self.is_first = is_first
+        self.group_length = group_length
+
+
 def _sum_name(variable):
     path = getattr(variable, "path", None) or variable.name
     return path.replace("/", "_").replace(":", "_") + "_accumulator"
@@ -168,17 +185,26 @@ def _sum_name(variable):
 class GradientAccumulator(tf.Module):
     """Float32 gradient sums of one accumulation group and its update boundary.
 
-    With micro-batch gradients ``g_i`` (of the mean loss over ``n_i`` samples)
-    and micro-batch weights ``w_i = n_i / n_1`` (``n_1``: the group's first
-    micro-batch, so ``w_i == 1`` exactly when sizes are equal), the gradient
-    handed to the optimizer at the update step is::
+    With micro-batch gradients ``g_i`` of a loss that is a sum over its
+    micro-batch divided by a normaliser ``N_i`` (samples, valid tokens, the
+    sum of sample weights), and micro-batch weights ``w_i = N_i / (C_1 * K)``
+    (``C_1``: the capacity of the group's first micro-batch, e.g. its sample
+    or padded-token count; ``K``: the micro-steps the group is planned to
+    have), the gradient handed to the optimizer at the update step is::
 
         g = sum_i(w_i * g_i) / sum_i(w_i)
 
-    which is the gradient of the mean loss over the concatenated group,
-    whatever the micro-batch sizes. The caller provides ``w_i * g_i`` directly
-    by differentiating ``w_i * loss_i`` (one scalar multiply in the backward
-    pass), so accumulating costs one in-place ``assign_add`` per variable.
+    which is the gradient of the loss of the concatenated group (its sum
+    divided by ``sum_i(N_i)``), whatever the micro-batches hold. The
+    reference ``C_1 * K`` cancels; it makes ``w_i`` the micro-batch's share
+    of the group (``1 / K`` for equal micro-batches), so that in the backward
+    pass of ``w_i * loss_i`` every per-sample quantity has the magnitude it has
+    in the big batch's (under a float16 loss scale, a micro-batch overflows
+    only where the big batch would). The caller provides ``w_i * g_i``
+    directly by differentiating ``w_i * loss_i`` (one scalar multiply in the
+    backward pass), so accumulating costs one in-place ``assign_add`` per
+    variable. A loss that is a plain sum (``reduction="sum"``) adds
+    ``w_i = 1`` every micro-step and ``1`` to the divisor once per group.
 
     A group ends after ``accum_steps`` micro-steps, or earlier when
     ``steps_to_boundary`` (set by the caller, e.g. to the micro-steps left in
@@ -188,8 +214,8 @@ class GradientAccumulator(tf.Module):
     whatever the compute dtype):
 
     - ``gradient_sums[j]``: ``sum_i(w_i * g_ij)`` for trainable variable ``j``.
-    - ``weight_sum``: ``sum_i(w_i)``.
-    - ``first_batch_size``: ``n_1``, samples in the group's first micro-batch.
+    - ``weight_sum``: ``sum_i(w_i)``, the divisor of the mean.
+    - ``group_reference``: ``C_1 * K``, set at the group's first micro-step.
     - ``micro_step``: micro-steps accumulated in the current group.
     - ``update_count``: updates made through this accumulator (the argument
       of a scheduled ``accum_steps``).
@@ -251,7 +277,7 @@ class GradientAccumulator(tf.Module):
                 local(0, v.shape, "float32", _sum_name(v), sum_) for v in variables
             ]
             self.weight_sum = local(0, (), "float32", "weight_sum", sum_)
-            self.first_batch_size = local(1, (), "float32", "first_batch_size", first)
+            self.group_reference = local(1, (), "float32", "group_reference", first)
             self.micro_step = local(0, (), "int64", "micro_step", first)
             self.steps_to_boundary = local(-1, (), "int64", "steps_to_boundary", first)
             self.update_count = local(0, (), "int64", "update_count", first)
@@ -262,7 +288,7 @@ class GradientAccumulator(tf.Module):
         return [
             self.micro_step,
             self.weight_sum,
-            self.first_batch_size,
+            self.group_reference,
             self.update_count,
             *self.gradient_sums,
         ]
@@ -306,6 +332,9 @@ class GradientAccumulator(tf.Module):
     def begin_micro_step(self, batch_size=None):
         """Starts a micro-step: returns ``(loss_weight, is_update_step)``.
 
+        :meth:`start_micro_step` and :meth:`share` in one call, for a caller
+        whose micro-batches are weighted by their sample count.
+
         Args:
             batch_size: Scalar tensor, samples in this micro-batch; ``None``
                 gives every micro-step the weight 1.
@@ -315,17 +344,43 @@ class GradientAccumulator(tf.Module):
             ``is_update_step``: boolean scalar, whether this micro-step ends
             the group (read it before the forward pass, e.g. for BN).
         """
+        micro = self.start_micro_step()
+        if batch_size is None:
+            return ops.ones((), "float32"), micro.is_update_step
+        size = ops.cast(batch_size, "float32")
+        return self.share(size, size, micro), micro.is_update_step
+
+    def start_micro_step(self):
+        """Starts a micro-step (before the forward pass): returns a :class:`MicroStep`."""
         steps_left = self.steps_to_boundary.assign_sub(1)
+        steps = ops.cast(self.current_accum_steps(), "int64")
         is_update_step = ops.logical_or(
-            ops.greater_equal(self.micro_step + 1, self.current_accum_steps()),
+            ops.greater_equal(self.micro_step + 1, steps),
             ops.equal(steps_left, 0),
         )
-        if batch_size is None:
-            return ops.ones((), "float32"), is_update_step
-        size = ops.cast(batch_size, "float32")
-        first = ops.where(ops.equal(self.micro_step, 0), size, self.first_batch_size)
-        self.first_batch_size.assign(first)
-        return size / first, is_update_step
+        is_first = ops.equal(self.micro_step, 0)
+        # The micro-steps this group will have, as far as known at its start
+        # (the epoch's last group is shorter when the epoch's length is known).
+        planned = ops.where(
+            ops.greater_equal(steps_left, 0), ops.minimum(steps, steps_left + 1), steps
+        )
+        return MicroStep(is_update_step, is_first, ops.cast(planned, "float32"))
+
+    def share(self, normaliser, capacity, micro):
+        """The micro-batch weight ``w_i = N_i / (C_1 * K)`` (float32, no gradient).
+
+        Args:
+            normaliser: Scalar, ``N_i``: what the micro-batch's loss is
+                divided by (samples, valid tokens, sum of sample weights).
+            capacity: Scalar > 0, ``C_i``: the most ``N_i`` can be for a
+                micro-batch of this shape, the same on every replica whose
+                shard has the same shape (samples, padded tokens).
+            micro: The :class:`MicroStep` from :meth:`start_micro_step`.
+        """
+        capacity = ops.cast(capacity, "float32")
+        reference = ops.where(micro.is_first, capacity * micro.group_length, self.group_reference)
+        self.group_reference.assign(reference)
+        return tf.stop_gradient(ops.cast(normaliser, "float32") / reference)
 
     def current_accum_steps(self):
         """Micro-steps in the current group: ``accum_steps`` or its schedule."""
@@ -334,19 +389,30 @@ class GradientAccumulator(tf.Module):
             return ops.maximum(steps, 1)
         return self.accum_steps
 
-    def step(self, grads, loss_weight, is_update_step, optimizer, variables, statistics=()):
+    def step(
+        self,
+        grads,
+        loss_weight,
+        is_update_step,
+        optimizer,
+        variables,
+        statistics=(),
+        divisor=None,
+    ):
         """Adds ``grads`` to the sums, then updates through ``optimizer`` if due.
 
         Must be called in replica context (inside ``strategy.run`` or with no
         strategy). ``grads`` are the gradients of ``loss_weight * loss`` (times
         the loss scale under mixed precision) in the order of ``variables``;
         ``None`` entries stay ``None`` for the optimizer, so variables without
-        a gradient are left alone as in plain Keras.
+        a gradient are left alone as in plain Keras. ``divisor`` is what this
+        micro-step adds to the group's divisor (``loss_weight`` if ``None``).
         """
         # Each replica adds its share of the weight, so that the all-reduced
         # sum is the group's total weight whatever the number of replicas.
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        weight = ops.cast(loss_weight, "float32") / replicas
+        divisor = loss_weight if divisor is None else divisor
+        weight = ops.cast(divisor, "float32") / replicas
         if self._reduce_every_micro_step:
             grads, weight = _all_reduce_in_replica(grads, weight)
         for acc, grad in zip(self.gradient_sums, grads):

@@ -13,12 +13,14 @@ from gradient_accumulator._compat import (
     functional_from_config,
     keras_version,
     loss_tracker,
+    recorded_loss_reductions,
     sublayers,
 )
 from gradient_accumulator.agc import adaptive_clip_gradients, check_agc_arguments
 from gradient_accumulator.distribute import AverageBatchNormStatistics, logs_for_keras
 from gradient_accumulator.engine import GradientAccumulator, update_step_scope, without_state
 from gradient_accumulator.optimizer import check_optimizer_does_not_accumulate
+from gradient_accumulator.weighting import weight_micro_batch, weight_only_loss_count
 from gradient_accumulator.validation import (
     check_accum_steps,
     check_bool,
@@ -259,18 +261,35 @@ class GradientAccumulateModel(keras.Model):
         # accumulator's state changes wait for the batch.
         inputs = [t for t in tf.nest.flatten(x, expand_composites=True) if t is not None]
         with tf.control_dependencies(inputs):
-            loss_weight, is_update_step = accumulator.begin_micro_step(batch_size)
+            micro = accumulator.start_micro_step()
+        is_update_step = micro.is_update_step
         with update_step_scope(is_update_step), tf.GradientTape() as tape:
             y_pred = self(x, training=True)
-            loss = compute_training_loss(self, x, y, y_pred, sample_weight)
-            weighted_loss = self.optimizer.scale_loss(loss * loss_weight)
+            with recorded_loss_reductions() as reductions:
+                loss = compute_training_loss(self, x, y, y_pred, sample_weight)
+            weighting = weight_micro_batch(
+                loss,
+                reductions,
+                batch_size,
+                self.losses,
+                weight_only_loss_count(self),
+                accumulator,
+                micro,
+                self.name,
+            )
+            weighted_loss = self.optimizer.scale_loss(weighting.objective)
         # `loss` is scaled by 1/replicas for the cross-replica sum; undo that.
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         loss_tracker(self).update_state(loss * replicas, sample_weight=batch_size)
         grads = tape.gradient(weighted_loss, variables)
         statistics = self._apply_statistics(is_update_step)
         accumulator.step(
-            grads, loss_weight, is_update_step, self.optimizer, variables, statistics
+            grads,
+            weighting.divisor,
+            is_update_step,
+            self.optimizer,
+            variables,
+            statistics,
         )
         compiled_metrics = getattr(self, "_compile_metrics", None)
         if keras_version() < (3, 5) and compiled_metrics is not None and not compiled_metrics.built:

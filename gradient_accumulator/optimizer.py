@@ -268,8 +268,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
       current group (dense, the variable's shape).
     - ``weight_sum``: micro-steps in the current group, as float32 (the
       divisor of the mean).
-    - ``first_batch_size``: the engine's micro-batch weight reference, always
-      1 here (every micro-step has weight 1).
+    - ``group_reference``: the engine's micro-batch weight reference, unused
+      here (every micro-step has weight 1).
     - ``micro_step``: micro-steps accumulated in the current group.
     - ``update_count``: updates made (the argument of a scheduled
       ``accum_steps``).

@@ -176,6 +176,49 @@ def make_token_data(num_samples=72, shard_size=None, seed=0):
     return x, y
 
 
+# Padded sequences: token ids 1..TAG_VOCABULARY-1, 0 pads; every sequence
+# holds 1 to TAG_LENGTH tokens, so micro-batches hold different token counts.
+TAG_VOCABULARY = 30
+TAG_LENGTH = 12
+TAG_CLASSES = 5
+
+
+def make_padded_sequences(num_samples=64, seed=0, shard_size=None):
+    """Padded token sequences, per-token tags, and per-token (temporal) weights.
+
+    With ``shard_size=s`` (the per-replica micro-batch of 2 replicas), the
+    samples a first replica receives (``i // s`` even) hold 1-3 tokens and
+    the second replica's 8-12: the replicas' shards hold different token
+    counts in every micro-step. Returns ``(x, tags, temporal_weights)``.
+    """
+    rng = np.random.default_rng(seed)
+    if shard_size is None:
+        lengths = rng.integers(1, TAG_LENGTH + 1, size=num_samples)
+    else:
+        first = (np.arange(num_samples) // shard_size) % 2 == 0
+        lengths = np.where(
+            first, rng.integers(1, 4, size=num_samples), rng.integers(8, TAG_LENGTH + 1, size=num_samples)
+        )
+    positions = np.arange(TAG_LENGTH)[None, :]
+    valid = positions < lengths[:, None]
+    x = np.where(valid, rng.integers(1, TAG_VOCABULARY, size=(num_samples, TAG_LENGTH)), 0)
+    tags = rng.integers(0, TAG_CLASSES, size=(num_samples, TAG_LENGTH))
+    weights = rng.uniform(0.2, 3.0, size=(num_samples, TAG_LENGTH))
+    return x.astype("int32"), tags.astype("int32"), weights.astype("float32")
+
+
+def build_tagger(cls=keras.Model, seed=0, regularizer=None, **kwargs):
+    """Embedding(mask_zero=True) -> Dense per token: a tagger whose loss is masked."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((TAG_LENGTH,), dtype="int32", name="tokens")
+    embedded = keras.layers.Embedding(TAG_VOCABULARY, 8, mask_zero=True, name="embedding")(inputs)
+    hidden = keras.layers.Dense(8, activation="tanh", kernel_regularizer=regularizer, name="hidden")(
+        embedded
+    )
+    outputs = keras.layers.Dense(TAG_CLASSES, name="tags")(hidden)
+    return cls(inputs=inputs, outputs=outputs, **kwargs)
+
+
 def train_big_batches(build, make_optimizer, x, y, batch_size, epochs=1, densify=False, clip=None):
     """A plain-Keras reference trained step by step: one update per batch of ``batch_size``.
 

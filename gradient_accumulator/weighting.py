@@ -1,0 +1,215 @@
+"""Each micro-batch's loss weight: the rule that makes a group equal the big batch.
+
+Keras divides every loss by a normaliser of its own batch: the number of
+loss elements (samples, or samples times time steps), the valid entries of a
+mask, the sum of the sample weights (``reduction="mean_with_sample_weight"``),
+or nothing (``reduction="sum"``). The big batch divides the sum over all of
+its micro-batches by the sum of their normalisers, so a group equals it
+exactly when micro-batch ``i`` is weighted by its own normaliser ``N_i``:
+
+    g = sum_i(N_i * grad(loss_i)) / sum_i(N_i)
+
+(see :class:`gradient_accumulator.engine.GradientAccumulator`, which receives
+``w_i = N_i / (C_1 * K)``, the same ratio with a float16-safe scale). This
+module reads ``N_i`` from what Keras itself combined while computing the
+loss: for every ``keras.losses.Loss`` call, its unreduced values, sample
+weights, mask and reduction (:func:`gradient_accumulator._compat.recorded_loss_reductions`).
+
+One gradient sum holds one normaliser: the loss terms of a model must share
+it (every term a mean over samples; or every term masked by the same mask,
+or weighted by the same weights; or every term a sum). Terms that depend on
+the weights only (kernel regularizers) are counted once per update whatever
+the normaliser. Anything else is weighted by samples, as before, with a
+warning that says so.
+"""
+
+import warnings
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from gradient_accumulator._compat import (
+    keras_apply_mask,
+    keras_squeeze_or_expand_to_same_rank,
+    keras_version,
+)
+
+SAMPLES = "samples"
+SUM = "sum"
+
+
+def _ref(tensor):
+    if tensor is None:
+        return None
+    return tensor.ref() if hasattr(tensor, "ref") else id(tensor)
+
+
+def _size(tensor):
+    return ops.cast(ops.prod(ops.convert_to_tensor(ops.shape(tensor), "int32")), "float32")
+
+
+class LossTerm:
+    """How one Keras loss call divided its sum.
+
+    Attributes:
+        key: Hashable; terms with equal keys have equal normalisers in every
+            micro-batch (``SAMPLES``: proportional to the batch size;
+            ``SUM``: none; otherwise the mask or weights it divides by).
+        normaliser: Float32 scalar ``N_i``, or ``None`` for ``SUM`` terms.
+        capacity: Float32 scalar, the largest ``N_i`` of a micro-batch of
+            this shape, or ``None`` for ``SUM`` terms.
+    """
+
+    def __init__(self, key, normaliser=None, capacity=None):
+        self.key = key
+        self.normaliser = normaliser
+        self.capacity = capacity
+
+
+def loss_term(values, sample_weight, mask, reduction, batch_size):
+    """The :class:`LossTerm` of one ``reduce_weighted_values`` call, or ``None`` if unreduced.
+
+    Mirrors Keras's reduction (``keras.losses.Loss``): ``"sum"`` divides by
+    nothing; ``"sum_over_batch_size"`` (and ``"mean"``) by the number of
+    loss elements, or, with a mask, by its valid entries (sample weights
+    scale the sum, not the divisor); ``"mean_with_sample_weight"`` by the
+    sum of the sample weights with the mask merged in, as Keras merges it.
+    """
+    values = ops.convert_to_tensor(values)
+    if reduction in (None, "none") or values.shape.rank == 0 or tuple(values.shape) == (0,):
+        return None
+    if reduction == "sum":
+        return LossTerm(SUM)
+    weighted = reduction == "mean_with_sample_weight" and (
+        sample_weight is not None or mask is not None
+    )
+    if mask is None and not weighted:
+        if values.shape[1:].is_fully_defined():
+            size = ops.cast(batch_size, "float32")
+            return LossTerm(SAMPLES, size, size)
+        # Elements per sample vary between batches: the term is its own class.
+        return LossTerm(("elements", _ref(values)), _size(values), _size(values))
+    if weighted:
+        weights = keras_apply_mask(
+            None if sample_weight is None else ops.convert_to_tensor(sample_weight, values.dtype),
+            None if mask is None else ops.convert_to_tensor(mask, values.dtype),
+            values.dtype,
+            reduction,
+        )
+        _, weights = keras_squeeze_or_expand_to_same_rank(values, ops.cast(weights, values.dtype))
+        normaliser = ops.cast(ops.sum(weights), "float32")
+        return LossTerm(("weights", _ref(sample_weight), _ref(mask)), normaliser, _size(values))
+    valid = ops.sum(ops.cast(mask, "float32"))
+    return LossTerm(("mask", _ref(mask)), valid, _size(mask))
+
+
+class MicroBatchWeighting:
+    """The loss one micro-step differentiates and what it adds to the group's divisor.
+
+    Attributes:
+        objective: Scalar, ``w_i * loss_i`` (before any loss scale).
+        divisor: Float32 scalar added to the group's divisor.
+        normaliser_key: The key of the normaliser used (``SAMPLES`` when
+            falling back).
+    """
+
+    def __init__(self, objective, divisor, normaliser_key):
+        self.objective = objective
+        self.divisor = divisor
+        self.normaliser_key = normaliser_key
+
+
+def weight_micro_batch(
+    loss,
+    records,
+    batch_size,
+    additional_losses,
+    weight_only_losses,
+    accumulator,
+    micro,
+    owner,
+):
+    """Weights a micro-batch's ``loss`` by its normaliser (see the module docstring).
+
+    Args:
+        loss: The scalar Keras computed (``model.compute_loss``, already
+            divided by the replicas in sync).
+        records: The reductions recorded while computing it.
+        batch_size: Scalar, samples in the micro-batch.
+        additional_losses: The model's ``losses`` (regularizers, ``add_loss``).
+        weight_only_losses: How many of them depend on the weights only
+            (kernel, bias and embedding regularizers).
+        accumulator: The :class:`~gradient_accumulator.engine.GradientAccumulator`.
+        micro: The micro-step's :class:`~gradient_accumulator.engine.MicroStep`.
+        owner: String naming the model, for warnings.
+    """
+    terms = [loss_term(v, w, m, r, batch_size) for v, w, m, r, _ in records]
+    keys = {term.key for term in terms if term is not None}
+    key, reason = SAMPLES, None  # no Keras loss was called: one's own, unknown
+    if None in terms:
+        reason = "a loss with reduction=None returned unreduced values"
+    elif len(keys) > 1:
+        reason = (
+            "its loss terms divide by different normalisers (e.g. a masked "
+            "per-token output beside a per-sample one), and one gradient sum "
+            "holds one normaliser"
+        )
+    elif keys:
+        (key,) = keys
+        if key != SAMPLES and len(additional_losses) > weight_only_losses:
+            # Still weighted by its normaliser, the closer of the two rules.
+            reason = (
+                "its activity regularizers or `add_loss` terms depend on the "
+                "data and its loss is not a mean over samples"
+            )
+    if reason is not None:
+        rule = "samples" if key == SAMPLES else "its loss's normaliser"
+        warnings.warn(
+            f"Gradient accumulation in model '{owner}' is not exactly the big "
+            f"batch: {reason}; each micro-batch is weighted by {rule}. See "
+            "'Which losses are exact' in the documentation.",
+            stacklevel=4,
+        )
+    if key == SUM:
+        return _weight_sum(loss, additional_losses, micro)
+    if key == SAMPLES:
+        size = ops.cast(batch_size, "float32")
+        normaliser, capacity = size, size
+    else:
+        term = next(t for t in terms if t.key == key)
+        normaliser, capacity = term.normaliser, term.capacity
+    weight = accumulator.share(normaliser, capacity, micro)
+    return MicroBatchWeighting(loss * ops.cast(weight, loss.dtype), weight, key)
+
+
+def _weight_sum(loss, additional_losses, micro):
+    """A sum over the group: weight 1 every micro-step, divisor 1 once per group.
+
+    The terms of ``additional_losses`` (weight regularizers) enter once, at
+    the group's first micro-step, as the big batch counts them once.
+    """
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    first = ops.cast(micro.is_first, "float32")
+    if keras_version() < (3, 8) and replicas > 1:
+        # Keras < 3.8 does not divide by the replicas; `compute_training_loss`
+        # divided the whole loss, which a sum (summed over replicas) must undo.
+        scale = float(replicas)
+    else:
+        scale = 1.0
+    if additional_losses:
+        extra = ops.sum(
+            ops.stack([ops.sum(ops.cast(term, "float32")) for term in additional_losses])
+        )
+        extra = ops.cast(extra / replicas, loss.dtype)
+        objective = scale * (loss - extra) + ops.cast(first, loss.dtype) * extra
+    else:
+        objective = scale * loss
+    return MicroBatchWeighting(objective, first, SUM)
+
+
+def weight_only_loss_count(model):
+    """How many of ``model.losses`` are weight regularizers (data-independent)."""
+    return sum(
+        1 for v in model.trainable_weights if getattr(v, "regularizer", None) is not None
+    )

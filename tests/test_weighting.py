@@ -1,0 +1,246 @@
+"""Micro-batch weighting: masked, sample-weighted and summed losses equal the big batch."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+from gradient_accumulator import GradientAccumulateModel
+from gradient_accumulator._compat import recorded_loss_reductions
+from gradient_accumulator.weighting import SAMPLES, SUM, loss_term
+from tests.helpers import (
+    FLOAT16_ATOL,
+    FLOAT32_ATOL,
+    KERAS_VERSION,
+    TAG_CLASSES,
+    TAG_LENGTH,
+    assert_close,
+    build_dense,
+    build_tagger,
+    make_padded_sequences,
+    make_regression_data,
+    train_pair,
+)
+
+TAG_LOSS = {"loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True)}
+MEAN_WITH_SAMPLE_WEIGHT = pytest.mark.skipif(
+    KERAS_VERSION < (3, 8), reason='reduction="mean_with_sample_weight" exists from Keras 3.8'
+)
+
+
+def sgd():
+    # Plain SGD: its sparse update (the Embedding's) is a scatter-add, which
+    # sums repeated rows as the accumulated dense gradient does.
+    return keras.optimizers.SGD(0.5)
+
+
+def build_masked_regression(cls=keras.Model, seed=0, **kwargs):
+    """Masking -> Dense per time step: a loss masked by `keras.layers.Masking`."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((TAG_LENGTH, 3))
+    hidden = keras.layers.Dense(6, activation="tanh")(keras.layers.Masking(0.0)(inputs))
+    return cls(inputs=inputs, outputs=keras.layers.Dense(2)(hidden), **kwargs)
+
+
+def make_masked_regression(num_samples=64, seed=0):
+    x_tokens, _, weights = make_padded_sequences(num_samples, seed)
+    rng = np.random.default_rng(seed + 1)
+    x = rng.normal(size=(num_samples, TAG_LENGTH, 3)).astype("float32")
+    x[x_tokens == 0] = 0.0
+    y = rng.normal(size=(num_samples, TAG_LENGTH, 2)).astype("float32")
+    return x, y, weights
+
+
+def no_warnings(fn):
+    """Runs ``fn`` and fails on any warning of the library's weighting."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn()
+    messages = [str(w.message) for w in caught if "not exactly the big batch" in str(w.message)]
+    assert not messages, messages
+    return result
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "temporal_weights"])
+def test_embedding_masked_token_loss_equals_big_batch(weighted):
+    x, tags, weights = make_padded_sequences()
+    fit_kwargs = {"sample_weight": weights} if weighted else {}
+    reference, accumulating = no_warnings(
+        lambda: train_pair(build_tagger, sgd, x, tags, epochs=1, compile_kwargs=TAG_LOSS,
+                           fit_kwargs=fit_kwargs)
+    )
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "temporal_weights"])
+def test_masking_layer_loss_equals_big_batch(weighted):
+    x, y, weights = make_masked_regression()
+    fit_kwargs = {"sample_weight": weights} if weighted else {}
+    reference, accumulating = no_warnings(
+        lambda: train_pair(build_masked_regression, sgd, x, y, epochs=2, fit_kwargs=fit_kwargs)
+    )
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
+
+
+@MEAN_WITH_SAMPLE_WEIGHT
+def test_mean_with_sample_weight_equals_big_batch():
+    x, tags, weights = make_padded_sequences()
+    loss = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction="mean_with_sample_weight"
+    )
+    reference, accumulating = no_warnings(
+        lambda: train_pair(build_tagger, sgd, x, tags, epochs=1, compile_kwargs={"loss": loss},
+                           fit_kwargs={"sample_weight": weights})
+    )
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
+
+
+@MEAN_WITH_SAMPLE_WEIGHT
+def test_mean_with_sample_weight_per_sample_equals_big_batch():
+    x, y = make_regression_data()
+    weights = np.random.default_rng(4).uniform(0.0, 5.0, size=len(x)).astype("float32")
+    loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
+    reference, accumulating = no_warnings(
+        lambda: train_pair(build_dense, lambda: keras.optimizers.Adam(0.01), x, y,
+                           compile_kwargs={"loss": loss}, fit_kwargs={"sample_weight": weights})
+    )
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
+
+
+@pytest.mark.parametrize("regularized", [False, True], ids=["plain", "kernel_regularizer"])
+def test_sum_reduction_equals_big_batch(regularized):
+    x, tags, _ = make_padded_sequences()
+    regularizer = keras.regularizers.L2(0.05) if regularized else None
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+    reference, accumulating = no_warnings(
+        lambda: train_pair(
+            lambda cls, **kw: build_tagger(cls, regularizer=regularizer, **kw),
+            lambda: keras.optimizers.SGD(0.002),
+            x,
+            tags,
+            epochs=1,
+            compile_kwargs={"loss": loss},
+        )
+    )
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
+
+
+def test_masked_loss_with_regularizer_counts_it_once_per_update():
+    x, tags, _ = make_padded_sequences()
+    reference, accumulating = no_warnings(
+        lambda: train_pair(
+            lambda cls, **kw: build_tagger(cls, regularizer=keras.regularizers.L2(0.05), **kw),
+            sgd, x, tags, epochs=1, compile_kwargs=TAG_LOSS,
+        )
+    )
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
+
+
+def build_two_heads(cls=keras.Model, seed=0, pooled_head=False, **kwargs):
+    """The tagger with a second output: per token (same mask), or per sequence (no mask)."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((TAG_LENGTH,), dtype="int32")
+    embedded = keras.layers.Embedding(30, 8, mask_zero=True)(inputs)
+    hidden = keras.layers.Dense(8, activation="tanh")(embedded)
+    tags = keras.layers.Dense(TAG_CLASSES, name="tags")(hidden)
+    if pooled_head:
+        second = keras.layers.Dense(1, name="second")(keras.layers.GlobalAveragePooling1D()(hidden))
+    else:
+        second = keras.layers.Dense(1, name="second")(hidden)
+    return cls(inputs=inputs, outputs=[tags, second], **kwargs)
+
+
+def test_two_outputs_with_the_same_mask_equal_big_batch():
+    x, tags, _ = make_padded_sequences()
+    scores = np.random.default_rng(5).normal(size=(len(x), TAG_LENGTH, 1)).astype("float32")
+    compile_kwargs = {
+        "loss": [TAG_LOSS["loss"], "mse"],
+        "loss_weights": [1.0, 0.3],
+    }
+    reference, accumulating = no_warnings(
+        lambda: train_pair(build_two_heads, sgd, x, [tags, scores], epochs=1,
+                           compile_kwargs=compile_kwargs)
+    )
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
+
+
+def test_outputs_with_different_normalisers_warn():
+    x, tags, _ = make_padded_sequences()
+    scores = np.random.default_rng(5).normal(size=(len(x), 1)).astype("float32")
+    model = build_two_heads(GradientAccumulateModel, pooled_head=True, accum_steps=4)
+    model.compile(optimizer=sgd(), loss=[TAG_LOSS["loss"], "mse"], loss_weights=[1.0, 0.3])
+    with pytest.warns(UserWarning, match="divide by different normalisers"):
+        model.fit(x, [tags, scores], batch_size=8, verbose=0)
+
+
+@pytest.mark.parametrize(
+    "num_samples, compile_kwargs",
+    [(60, {}), (100, {"steps_per_execution": 3})],
+    ids=["last_group_shorter", "steps_per_execution"],
+)
+def test_masked_loss_epoch_end_and_steps_per_execution(num_samples, compile_kwargs):
+    x, tags, weights = make_padded_sequences(num_samples)
+    reference, accumulating = no_warnings(
+        lambda: train_pair(build_tagger, sgd, x, tags, epochs=2,
+                           compile_kwargs={**TAG_LOSS, **compile_kwargs},
+                           fit_kwargs={"sample_weight": weights})
+    )
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
+
+
+def test_masked_loss_mixed_float16_equals_big_batch(mixed_float16):
+    x, tags, weights = make_padded_sequences()
+    reference, accumulating = no_warnings(
+        lambda: train_pair(build_tagger, sgd, x, tags, epochs=2,
+                           compile_kwargs=TAG_LOSS, fit_kwargs={"sample_weight": weights})
+    )
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT16_ATOL)
+    for attribute in ("iterations", "dynamic_scale"):
+        assert float(getattr(reference.optimizer, attribute).numpy()) == float(
+            getattr(accumulating.optimizer, attribute).numpy()
+        )
+
+
+# (reduction, mask?, sample weights?) -> the normaliser's key kind.
+REDUCTION_CASES = {
+    "default": ("sum_over_batch_size", False, False, SAMPLES),
+    "default_weighted": ("sum_over_batch_size", False, True, SAMPLES),
+    "default_masked": ("sum_over_batch_size", True, False, "mask"),
+    "default_masked_weighted": ("sum_over_batch_size", True, True, "mask"),
+    "sum": ("sum", True, True, SUM),
+}
+if KERAS_VERSION >= (3, 8):
+    REDUCTION_CASES.update(
+        {
+            "mean_with_sample_weight": ("mean_with_sample_weight", False, True, "weights"),
+            "mean_with_sample_weight_masked": ("mean_with_sample_weight", True, True, "weights"),
+            "mean_with_sample_weight_mask_only": ("mean_with_sample_weight", True, False, "weights"),
+        }
+    )
+
+
+@pytest.mark.parametrize("case", list(REDUCTION_CASES), ids=list(REDUCTION_CASES))
+def test_normaliser_is_what_keras_divides_by(case):
+    """Keras's loss == sum(values * weights * mask) / normaliser, for the installed Keras."""
+    reduction, masked, weighted, kind = REDUCTION_CASES[case]
+    rng = np.random.default_rng(0)
+    y_true = rng.normal(size=(4, 5, 1)).astype("float32")
+    y_pred = keras.ops.convert_to_tensor(rng.normal(size=(4, 5, 1)).astype("float32"))
+    mask = rng.uniform(size=(4, 5)) < 0.6
+    weights = rng.uniform(0.5, 2.0, size=(4, 5)).astype("float32")
+    if masked:
+        y_pred._keras_mask = keras.ops.convert_to_tensor(mask)
+    loss_fn = keras.losses.MeanSquaredError(reduction=reduction)
+    with recorded_loss_reductions() as records:
+        loss = loss_fn(y_true, y_pred, sample_weight=weights if weighted else None)
+    assert len(records) == 1
+    term = loss_term(*records[0][:4], batch_size=4)
+    kind_of = term.key if isinstance(term.key, str) else term.key[0]
+    assert kind_of == kind
+    values = np.mean((y_true - np.asarray(y_pred)) ** 2, axis=-1)
+    total = np.sum(values * (weights if weighted else 1.0) * (mask if masked else 1.0))
+    normaliser = 1.0 if term.normaliser is None else float(term.normaliser)
+    if kind == SAMPLES:
+        normaliser *= 5  # elements per sample: a constant the engine's ratio cancels
+    np.testing.assert_allclose(float(loss), total / normaliser, rtol=1e-6)
