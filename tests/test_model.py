@@ -377,6 +377,42 @@ def test_mixed_float16_equals_big_batch(mixed_float16):
     )
 
 
+@pytest.mark.parametrize("accum_steps", [2, 4, 16], ids=["k2", "k4", "k16"])
+def test_mixed_float16_loss_scale_follows_the_big_batch(mixed_float16, accum_steps):
+    """Keras's default initial scale: every micro-batch's loss is scaled by its share.
+
+    Without it a micro-batch's float16 backward pass holds ``accum_steps``
+    times the big batch's per-sample gradients and overflows first: a group
+    is lost and the scale halved (issue 17). Adam's epsilon is raised from
+    1e-7 so that float16 rounding of gradient components near zero is not
+    divided by their own magnitude (it would be, as much, between two plain
+    runs that only sum in another order).
+    """
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype("float32")
+    y = rng.normal(size=(64, 1)).astype("float32")
+
+    def build(cls=keras.Model, **kwargs):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(16, activation="relu")(inputs)
+        return cls(inputs=inputs, outputs=keras.layers.Dense(1)(hidden), **kwargs)
+
+    reference, accumulating = train_pair(
+        build,
+        lambda: keras.optimizers.Adam(0.01, epsilon=1e-4),
+        x,
+        y,
+        accum_steps=accum_steps,
+        micro_batch=32 // accum_steps,
+        epochs=3,
+    )
+    for optimizer in (reference.optimizer, accumulating.optimizer):
+        assert float(optimizer.dynamic_scale.numpy()) == 32768.0
+        assert int(optimizer.iterations.numpy()) == 6
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT16_ATOL)
+
+
 def test_mixed_float16_non_finite_micro_batch_skips_the_update(mixed_float16):
     x, y = make_regression_data(num_samples=64)
     x[10, 0] = 1e5  # overflows float16: micro-batch 1 of the first group.
