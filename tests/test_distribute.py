@@ -52,11 +52,16 @@ MODEL_CASES = {
     "short_group": ("losses", 3, FLOAT32_ATOL),
     "short_last_micro_batch": ("losses", 3, FLOAT32_ATOL),
     "reduce_every_micro_step": ("losses", 6, FLOAT32_ATOL),
+    # Padded sequences; the replicas hold different token counts.
+    "masked_tokens": ("losses", 6, FLOAT32_ATOL),
+    "summed_tokens": ("losses", 6, FLOAT32_ATOL),
     "sparse_sgd": ("sparse_mixed", 6, FLOAT32_ATOL),
     "sparse_adam": ("sparse_mixed", 6, FLOAT32_ATOL),
     # 64 samples; each epoch's first group overflows and is skipped.
     "mixed_float16": ("sparse_mixed", 2, FLOAT16_ATOL),
     "sparse_mixed_float16": ("sparse_mixed", 6, FLOAT16_ATOL),
+    # Keras's default initial scale, 3 epochs of 64 samples.
+    "loss_scale": ("sparse_mixed", 6, FLOAT16_ATOL),
     "batchnorm": ("state", 6, FLOAT32_ATOL),
     # 64 samples, one epoch, interrupted, saved, restored, resumed.
     "resume_checkpoint": ("state", 2, FLOAT32_ATOL),
@@ -117,6 +122,13 @@ def test_mirrored_mixed_float16_with_an_overflow_equals_one_device(mirrored_mode
     # Each epoch's first group overflows: skipped twice, the scale halved twice.
     assert result["scales"][0] == result["scales"][1] == 2.0**13, result
     assert result["sums_finite"], result
+    assert_diff_below(result["diff"], FLOAT16_ATOL, result)
+
+
+@pytest.mark.slow
+def test_mirrored_mixed_float16_loss_scale_follows_the_big_batch(mirrored_model):
+    result = mirrored_model("sparse_mixed")["loss_scale"]
+    assert result["scales"] == [32768.0, 32768.0], result
     assert_diff_below(result["diff"], FLOAT16_ATOL, result)
 
 

@@ -34,7 +34,9 @@ from tests.helpers import (
     build_dense,
     build_embedding,
     build_multi_io,
+    build_tagger,
     make_classification_data,
+    make_padded_sequences,
     make_multi_io_data,
     make_regression_data,
     make_token_data,
@@ -192,6 +194,27 @@ def multi_io(strategy, workdir):
     return compare(reference, model, build_multi_io)
 
 
+def token_case(reduction):
+    def case(strategy, workdir):
+        """A masked per-token loss (Embedding(mask_zero=True)) with temporal
+        sample weights, ``reduction`` as named; replica 0's sequences hold 1-3
+        tokens and replica 1's 8-12 in every micro-step (SGD: its sparse
+        update sums repeated rows as the dense sum does)."""
+        x, tags, weights = make_padded_sequences(76, shard_size=MICRO_BATCH)
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+        reference, model = fit_pair(
+            strategy,
+            lambda: keras.optimizers.SGD(0.5 if reduction != "sum" else 0.005),
+            (x, tags),
+            build=build_tagger,
+            compile_kwargs={"loss": loss},
+            fit_kwargs={"sample_weight": weights},
+        )
+        return compare(reference, model, build_tagger)
+
+    return case
+
+
 def last_group_case(num_samples):
     def case(strategy, workdir):
         """One epoch of ``num_samples``; ``micro_step``: left in the group after it (0)."""
@@ -297,6 +320,26 @@ def mixed_float16(strategy, workdir):
     sums = [np.asarray(v.numpy()) for v in model._accumulator.gradient_sums]
     result["scales"] = [float(m.optimizer.dynamic_scale.numpy()) for m in (reference, model)]
     result["sums_finite"] = bool(all(np.all(np.isfinite(s)) for s in sums))
+    return result
+
+
+def loss_scale(strategy, workdir):
+    """mixed_float16 with Keras's default initial scale (32768), Adam, 64
+    samples for 3 epochs: each micro-batch's loss is scaled by its share of
+    the group, so no micro-batch overflows where the big batch does not.
+    ``scales``: both final loss scales."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(64, 5)).astype("float32")
+        y = rng.normal(size=(64, 1)).astype("float32")
+        reference, model = fit_pair(
+            strategy, lambda: keras.optimizers.Adam(0.01, epsilon=1e-4), (x, y), epochs=3
+        )
+        result = compare(reference, model, build_dense)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    result["scales"] = [float(m.optimizer.dynamic_scale.numpy()) for m in (reference, model)]
     return result
 
 
@@ -458,6 +501,9 @@ CASES = {
     "sparse_sgd": sparse_case("sgd"),
     "sparse_adam": sparse_case("adam"),
     "mixed_float16": mixed_float16,
+    "loss_scale": loss_scale,
+    "masked_tokens": token_case("sum_over_batch_size"),
+    "summed_tokens": token_case("sum"),
     "sparse_mixed_float16": sparse_mixed_float16,
     "batchnorm": batchnorm,
     "resume_checkpoint": resume_case("checkpoint"),
