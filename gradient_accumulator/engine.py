@@ -160,6 +160,15 @@ def _sum_if_in_cross_replica(condition, values, fn):
     tf.distribute.get_replica_context().merge_call(decide, args=(condition, *values))
 
 
+def _has_loss_scale(optimizer):
+    """Whether a ``LossScaleOptimizer`` is in ``optimizer``'s chain (it skips non-finite updates)."""
+    while optimizer is not None:
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            return True
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return False
+
+
 class MicroStep:
     """What is known of a micro-step before its forward pass.
 
@@ -222,6 +231,9 @@ class GradientAccumulator(tf.Module):
     - ``steps_to_boundary``: micro-steps left before a forced group end,
       negative for none. Transient: not in :attr:`state_variables` (so not
       saved); ``fit`` sets it at every epoch's start.
+    - ``pending_weight``: the weight :meth:`set_pending_weight` gave the
+      coming micro-step (the optimizer wrapper's ``scale_loss``), negative
+      for none; read and cleared by :meth:`take_pending_weight`. Transient.
 
     Args:
         accum_steps: Integer >= 1, micro-steps per update; or a callable
@@ -281,6 +293,7 @@ class GradientAccumulator(tf.Module):
             self.micro_step = local(0, (), "int64", "micro_step", first)
             self.steps_to_boundary = local(-1, (), "int64", "steps_to_boundary", first)
             self.update_count = local(0, (), "int64", "update_count", first)
+            self.pending_weight = local(-1, (), "float32", "pending_weight", first)
 
     @property
     def state_variables(self):
@@ -365,6 +378,27 @@ class GradientAccumulator(tf.Module):
             ops.greater_equal(steps_left, 0), ops.minimum(steps, steps_left + 1), steps
         )
         return MicroStep(is_update_step, is_first, ops.cast(planned, "float32"))
+
+    def planned_micro_step(self):
+        """The :class:`MicroStep` the next micro-step will be, without starting it.
+
+        For callers that weight the loss before the step (the optimizer
+        wrapper's ``scale_loss``); ``is_update_step`` is left ``None``.
+        """
+        steps = ops.cast(self.current_accum_steps(), "float32")
+        return MicroStep(None, ops.equal(self.micro_step, 0), steps)
+
+    def set_pending_weight(self, weight):
+        """Records the weight the coming micro-step's gradients carry."""
+        self.pending_weight.assign(ops.cast(weight, "float32"))
+
+    def take_pending_weight(self):
+        """The recorded weight of this micro-step (1 if none), and clears it."""
+        pending = ops.convert_to_tensor(self.pending_weight)
+        weight = ops.where(ops.greater_equal(pending, 0.0), pending, 1.0)
+        with tf.control_dependencies([weight]):
+            self.pending_weight.assign(-1.0)
+        return weight
 
     def share(self, normaliser, capacity, micro):
         """The micro-batch weight ``w_i = N_i / (C_1 * K)`` (float32, no gradient).
@@ -488,7 +522,7 @@ class GradientAccumulator(tf.Module):
             mean_grads = self._gradient_transform(mean_grads, variables)
         optimizer.apply(mean_grads, variables)
         self.update_count.assign_add(1)
-        self.reset(isinstance(optimizer, keras.optimizers.LossScaleOptimizer))
+        self.reset(_has_loss_scale(optimizer))
 
     def reset(self, check_finite=False):
         """Empties the group (call in replica context).

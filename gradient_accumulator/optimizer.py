@@ -5,9 +5,11 @@ from collections.abc import Callable
 
 import keras
 import tensorflow as tf
+from keras import ops
 
 from gradient_accumulator._compat import (
     check_optimizer_knows,
+    keras_version,
     optimizer_own_variables,
     optimizer_variable_index,
     optimizer_variables_in_build_order,
@@ -56,20 +58,31 @@ def _resolve_optimizer(optimizer):
     return optimizer
 
 
-def _check_inner_optimizer(optimizer):
-    """Refuses inner optimizers with which accumulation would be wrong."""
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+def _innermost(optimizer):
+    """The optimizer at the end of ``optimizer``'s chain of ``inner_optimizer``."""
+    while getattr(optimizer, "inner_optimizer", None) is not None:
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
+def _check_inner_loss_scale(optimizer):
+    """Refuses a ``LossScaleOptimizer`` inside where a second one could not be refused.
+
+    Keras clears the loss scale factor of the optimizer a
+    ``LossScaleOptimizer`` wraps from 3.10 on; through it this wrapper
+    refuses an outer ``LossScaleOptimizer`` that would scale the loss twice
+    (see ``loss_scale_factor``). Before, the two would apply silently.
+    """
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and keras_version() < (3, 10):
         raise ValueError(
-            "`GradientAccumulateOptimizer` cannot wrap a `LossScaleOptimizer`: "
-            "the loss scale is applied and checked at every micro-step by an outer "
-            "`LossScaleOptimizer`, which drops a micro-step whose gradients are not "
-            "finite; inside, it would only see the group's mean. Wrap the other "
-            "way round, "
-            "`keras.optimizers.LossScaleOptimizer("
-            "GradientAccumulateOptimizer(optimizer, accum_steps=k))`, which "
-            "`model.compile()` does by itself under the 'mixed_float16' dtype "
-            "policy. Received: optimizer=LossScaleOptimizer("
-            f"inner_optimizer={type(optimizer.inner_optimizer).__name__})"
+            "`GradientAccumulateOptimizer` wraps a `LossScaleOptimizer` from Keras "
+            "3.10 on: before, a second `LossScaleOptimizer` around it (which "
+            "`model.compile()` adds under 'mixed_float16') would scale the loss "
+            "twice without an error. Upgrade Keras, or wrap the other way, "
+            "`keras.optimizers.LossScaleOptimizer(GradientAccumulateOptimizer(...))`, "
+            "or use `GradientAccumulateModel`. Received: Keras "
+            f"{keras.__version__}, optimizer=LossScaleOptimizer(inner_optimizer="
+            f"{type(optimizer.inner_optimizer).__name__})"
         )
 
 
@@ -348,7 +361,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         )
         accum_steps = _check_accum_steps(accum_steps)
         inner_optimizer = _resolve_optimizer(optimizer)
-        _check_inner_optimizer(inner_optimizer)
+        _check_inner_loss_scale(inner_optimizer)
         check_optimizer_does_not_accumulate(
             inner_optimizer, accum_steps, "GradientAccumulateOptimizer"
         )
@@ -435,11 +448,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         for grad, variable in zip(grads, trainable_variables):
             ordered[optimizer_variable_index(self, variable)] = grad
         accumulator = self._accumulator
-        loss_weight, is_update_step = accumulator.begin_micro_step()
+        micro = accumulator.start_micro_step()
         accumulator.step(
             ordered,
-            loss_weight,
-            is_update_step,
+            accumulator.take_pending_weight(),
+            micro.is_update_step,
             self._apply_inner,
             built_with,
         )
@@ -480,8 +493,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     @property
     def iterations(self):
-        """The inner optimizer's ``iterations``, which counts updates."""
-        return self.inner_optimizer.iterations
+        """The innermost optimizer's ``iterations``, which counts updates."""
+        return _innermost(self.inner_optimizer).iterations
 
     @iterations.setter
     def iterations(self, value):
@@ -500,21 +513,40 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     @property
     def loss_scale_factor(self):
-        """The inner optimizer's ``loss_scale_factor``.
+        """The inner optimizer's ``loss_scale_factor``; a ``LossScaleOptimizer``'s initial scale.
 
         Forwarded so that ``LossScaleOptimizer``, which clears its inner
-        optimizer's factor, clears the one that is actually applied.
+        optimizer's factor, clears the one that is actually applied. With a
+        ``LossScaleOptimizer`` inside, a loss scale is applied: the factor is
+        its initial scale, and clearing it (an outer ``LossScaleOptimizer``
+        would scale the loss twice) is refused.
         """
         inner = getattr(self, "inner_optimizer", None)
-        return None if inner is None else inner.loss_scale_factor
+        if inner is None:
+            return None
+        if isinstance(inner, keras.optimizers.LossScaleOptimizer):
+            return inner.initial_scale
+        return inner.loss_scale_factor
 
     @loss_scale_factor.setter
     def loss_scale_factor(self, value):
         inner = getattr(self, "inner_optimizer", None)
-        if inner is not None:
-            inner.loss_scale_factor = value
-        # Before `inner_optimizer` exists only the base class's default None
-        # arrives here, which is the inner optimizer's business anyway.
+        if inner is None:
+            # Before `inner_optimizer` exists only the base class's default
+            # None arrives here, which is the inner optimizer's business anyway.
+            return
+        if isinstance(inner, keras.optimizers.LossScaleOptimizer):
+            # A LossScaleOptimizer clears the factor of the optimizer it wraps:
+            # this one already holds one.
+            raise ValueError(
+                "This `GradientAccumulateOptimizer` wraps a `LossScaleOptimizer` "
+                "and is being wrapped in another (`model.compile()` does so under "
+                "the 'mixed_float16' policy): the loss would be scaled twice. "
+                "Compile with `auto_scale_loss=False`, or let `compile` wrap a "
+                "`GradientAccumulateOptimizer` of the plain optimizer. Received: "
+                f"loss_scale_factor={value!r}"
+            )
+        inner.loss_scale_factor = value
 
     @property
     def variables(self):
@@ -544,14 +576,63 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if self._accumulator is not None:
             self._accumulator.load_state(store, f"optimizer '{self.name}'")
 
-    def scale_loss(self, loss):
-        """Returns ``loss`` scaled by the inner optimizer's ``loss_scale_factor``.
+    def scale_loss(self, loss, normaliser=None, capacity=None):
+        """Returns ``loss`` weighted by this micro-batch's share of its group, then scaled.
 
-        ``loss`` unchanged when the factor is ``None`` (the default). Under
-        ``LossScaleOptimizer(GradientAccumulateOptimizer(...))`` call the
-        outer optimizer's ``scale_loss``, which applies the dynamic scale.
+        ``model.compile``'s ``fit`` calls it on every micro-step; in a custom
+        loop, differentiate ``optimizer.scale_loss(loss)`` and pass its
+        gradients to :meth:`apply_gradients` (call it on every micro-step or
+        on none: without it, every micro-step has weight 1). The weight
+        ``w_i`` multiplies the loss before the backward pass and enters the
+        group's divisor, so the update is unchanged by it (see the
+        class description) while every float16 intermediate of the backward
+        pass has the big batch's magnitude. Then the inner optimizer's
+        ``scale_loss`` applies: a ``LossScaleOptimizer``'s dynamic scale, or a
+        ``loss_scale_factor``.
+
+        Args:
+            loss: Scalar, the micro-batch's loss, a sum divided by
+                ``normaliser`` (e.g. Keras's mean over its valid tokens).
+            normaliser: Optional scalar, what ``loss`` is divided by: its
+                samples, valid tokens or sum of sample weights. ``None``:
+                the micro-batches count equally (``w_i = 1 / k``). Given,
+                micro-batch ``i`` weighs ``normaliser_i / sum(normaliser)``
+                in the update, as in the big batch.
+            capacity: Optional scalar > 0 with ``normaliser``: the largest
+                it can be for a micro-batch of this shape (samples, or padded
+                tokens ``tf.size(mask)``), the reference of the weights; the
+                same on every replica. Required under a strategy with several
+                replicas (whose normalisers differ); on one device it
+                defaults to the group's first ``normaliser``.
         """
-        return self.inner_optimizer.scale_loss(loss)
+        accumulator = self._accumulator
+        if normaliser is None and capacity is not None:
+            raise ValueError(
+                "`capacity` is the reference of `normaliser` and needs it. "
+                f"Received: normaliser=None, capacity={capacity!r}"
+            )
+        if accumulator is None:
+            # Keras < 3.5 traces `fit`'s step before building the optimizer:
+            # no accumulator yet, every micro-step weighs 1.
+            return self.inner_optimizer.scale_loss(loss)
+        micro = accumulator.planned_micro_step()
+        if normaliser is None:
+            weight = accumulator.share(1.0, 1.0, micro)
+        else:
+            if capacity is None:
+                replicas = tf.distribute.get_strategy().num_replicas_in_sync
+                if replicas > 1:
+                    raise ValueError(
+                        "Under a strategy with several replicas, `scale_loss` needs "
+                        "`capacity` with `normaliser`: a reference that is the same "
+                        "on every replica (e.g. `tf.size(mask)`, the padded token "
+                        "count, for a token count). Received: capacity=None with "
+                        f"{replicas} replicas"
+                    )
+                capacity = ops.maximum(ops.cast(normaliser, "float32"), 1.0)
+            weight = accumulator.share(normaliser, capacity, micro)
+        accumulator.set_pending_weight(weight)
+        return self.inner_optimizer.scale_loss(loss * ops.cast(weight, loss.dtype))
 
     def finalize_variable_values(self, var_list):
         """Forwards to the inner optimizer (with ``use_ema``, copies the averages into the weights).

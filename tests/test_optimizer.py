@@ -17,6 +17,8 @@ from tests.helpers import (
     FLOAT32_ATOL,
     KERAS_VERSION,
     assert_diff_below,
+    build_tagger,
+    make_padded_sequences,
     run_script_module,
     script_results,
 )
@@ -437,14 +439,139 @@ def test_static_loss_scale_of_inner_optimizer():
     assert inner.loss_scale_factor is None
 
 
-def test_wrapping_a_loss_scale_optimizer_is_refused():
+INNER_LOSS_SCALE = pytest.mark.skipif(
+    KERAS_VERSION < (3, 10),
+    reason="a LossScaleOptimizer inside is supported from Keras 3.10 (refused before)",
+)
+
+
+@pytest.mark.skipif(KERAS_VERSION >= (3, 10), reason="supported from Keras 3.10")
+def test_loss_scale_optimizer_inside_is_refused_before_keras_3_10():
     inner = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())
     with pytest.raises(
         ValueError,
-        match=r"LossScaleOptimizer\(GradientAccumulateOptimizer.*"
-        r"Received: optimizer=LossScaleOptimizer\(inner_optimizer=Adam\)",
+        match=r"from Keras 3.10 on.*Received: Keras 3\.\d+\.\d+, "
+        r"optimizer=LossScaleOptimizer\(inner_optimizer=Adam\)",
     ):
         GradientAccumulateOptimizer(inner, accum_steps=2)
+
+
+@INNER_LOSS_SCALE
+def test_loss_scale_optimizer_inside_and_outside_is_refused(mixed_float16):
+    model, _ = _twin_models()
+    inner = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())
+    with pytest.raises(
+        ValueError,
+        match=r"wraps a `LossScaleOptimizer` and is being wrapped in another.*"
+        r"`auto_scale_loss=False`.*Received: loss_scale_factor=None",
+    ):
+        model.compile(optimizer=GradientAccumulateOptimizer(inner, accum_steps=2), loss="mse")
+
+
+def _loss_scale_runs(accum_steps):
+    """Plain Keras at batch 32 and GradientAccumulateOptimizer(LossScaleOptimizer(Adam)).
+
+    Issue 17's setup: an MLP 8-16-1, mse, 64 samples N(0, 1), 3 epochs,
+    mixed_float16, Keras's default initial scale. Adam's epsilon is raised
+    from 1e-7 so that float16 rounding of gradient components near zero is
+    not divided by their own magnitude.
+    """
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype("float32")
+    y = rng.normal(size=(64, 1)).astype("float32")
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(16, activation="relu")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(1)(hidden))
+
+    def adam():
+        return keras.optimizers.Adam(0.01, epsilon=1e-4)
+
+    reference = build()
+    reference.compile(optimizer=adam(), loss="mse")
+    reference.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+    model = build()
+    optimizer = GradientAccumulateOptimizer(
+        keras.optimizers.LossScaleOptimizer(adam()), accum_steps=accum_steps
+    )
+    model.compile(optimizer=optimizer, loss="mse", auto_scale_loss=False)
+    model.fit(x, y, batch_size=32 // accum_steps, epochs=3, shuffle=False, verbose=0)
+    return reference, model, optimizer
+
+
+@INNER_LOSS_SCALE
+@pytest.mark.parametrize("accum_steps", [2, 4, 16], ids=["k2", "k4", "k16"])
+def test_loss_scale_follows_the_big_batch_with_the_scale_inside(mixed_float16, accum_steps):
+    reference, model, optimizer = _loss_scale_runs(accum_steps)
+    scale = optimizer.inner_optimizer.dynamic_scale
+    assert float(scale.numpy()) == float(reference.optimizer.dynamic_scale.numpy()) == 32768.0
+    assert int(optimizer.iterations.numpy()) == 6
+    assert int(reference.optimizer.iterations.numpy()) == 6
+    diff = _max_abs_diff(model.get_weights(), reference.get_weights())
+    assert_diff_below(diff, FLOAT16_ATOL)
+
+
+@INNER_LOSS_SCALE
+def test_non_finite_micro_step_skips_its_group_with_the_scale_inside():
+    model, _ = _twin_models()
+    loss_scale = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8.0)
+    optimizer = GradientAccumulateOptimizer(loss_scale, accum_steps=2)
+    variables = model.trainable_variables
+    optimizer.build(variables)
+    before = _values(model.weights)
+    bad = [np.full(v.shape, np.inf, "float32") for v in variables]
+    good = [np.ones(v.shape, "float32") * 8.0 for v in variables]  # scaled by 8
+    optimizer.apply(bad, variables)
+    optimizer.apply(good, variables)  # the group's update: skipped, scale halved
+    _assert_bit_identical(before, _values(model.weights))
+    assert float(loss_scale.dynamic_scale.numpy()) == 4.0
+    assert int(optimizer.iterations.numpy()) == 0
+    half = [g / 2 for g in good]  # scaled by 4
+    optimizer.apply(half, variables)
+    optimizer.apply(half, variables)
+    assert int(optimizer.iterations.numpy()) == 1
+    _assert_close(model.weights, [w - 0.1 for w in before])
+
+
+def test_token_count_normaliser_makes_a_custom_loop_exact():
+    """A tf.function loop passes each micro-batch's valid-token count to scale_loss."""
+    x, tags, _ = make_padded_sequences()
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference = build_tagger()
+    reference.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss_fn)
+    reference.fit(x, tags, batch_size=32, epochs=1, shuffle=False, verbose=0)
+
+    def run(pass_normaliser):
+        model = build_tagger()
+        optimizer = GradientAccumulateOptimizer(keras.optimizers.SGD(0.5), accum_steps=4)
+        optimizer.build(model.trainable_variables)
+
+        @tf.function
+        def micro_step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, model(xb, training=True))
+                tokens = ops.sum(ops.cast(ops.not_equal(xb, 0), "float32"))
+                if pass_normaliser:
+                    scaled = optimizer.scale_loss(loss, normaliser=tokens)
+                else:
+                    scaled = optimizer.scale_loss(loss)
+            grads = tape.gradient(scaled, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+        for start in range(0, len(x), 8):
+            micro_step(x[start : start + 8], tags[start : start + 8])
+        return _max_abs_diff(model.get_weights(), reference.get_weights())
+
+    assert_diff_below(run(True), FLOAT32_ATOL)
+    assert run(False) > 1e-3  # micro-batches counted equally: visibly not the big batch
+
+
+def test_scale_loss_refuses_capacity_without_normaliser():
+    optimizer = GradientAccumulateOptimizer("sgd", accum_steps=2)
+    with pytest.raises(ValueError, match=r"needs it. Received: normaliser=None, capacity=4"):
+        optimizer.scale_loss(ops.ones(()), capacity=4)
 
 
 # -------------------------------------------------- state, serialization --
