@@ -33,6 +33,8 @@ from tests.helpers import (
     TABLE_OPTIMIZERS,
     build_dense,
     build_embedding,
+    build_tagger,
+    make_padded_sequences,
     make_regression_data,
     make_token_data,
     max_abs_diff,
@@ -292,6 +294,86 @@ def fit_mixed_float16(strategy):
     return result
 
 
+def loop_tokens(strategy):
+    """A masked per-token loss in a custom loop: each replica divides its
+    token losses by its own valid tokens (and by the replicas, as
+    ``compute_average_loss`` does) and passes ``normaliser=`` its token count
+    and ``capacity=`` its padded token count to ``scale_loss``. Replica 0's
+    sequences hold 1-3 tokens, replica 1's 8-12. Reference: plain Keras
+    ``fit`` on one device at the big batch (its masked mean over the big
+    batch's tokens). SGD: its sparse update sums repeated rows as the dense
+    sum does."""
+    x, tags, _ = make_padded_sequences(64, shard_size=MICRO_BATCH)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference = build_tagger()
+    reference.compile(OPTIMIZERS["sgd"](), loss)
+    reference.fit(x, tags, batch_size=BIG_BATCH, epochs=2, shuffle=False, verbose=0)
+    with strategy.scope():
+        model = build_tagger()
+        optimizer = GradientAccumulateOptimizer(OPTIMIZERS["sgd"](), accum_steps=ACCUM_STEPS)
+        optimizer.build(model.trainable_variables)
+    dataset = tf.data.Dataset.from_tensor_slices((x, tags)).batch(GLOBAL_MICRO_BATCH)
+    batches = strategy.experimental_distribute_dataset(dataset)
+
+    @tf.function
+    def step(xb, yb):
+        def replica_step(xb, yb):
+            with tf.GradientTape() as tape:
+                logits = model(xb, training=True)
+                per_token = keras.losses.sparse_categorical_crossentropy(yb, logits, from_logits=True)
+                mask = tf.cast(xb != 0, "float32")
+                tokens = tf.reduce_sum(mask)
+                mean = tf.reduce_sum(per_token * mask) / tokens / REPLICAS
+                scaled = optimizer.scale_loss(
+                    mean, normaliser=tokens, capacity=tf.cast(tf.size(mask), "float32")
+                )
+            grads = tape.gradient(scaled, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+        strategy.run(replica_step, args=(xb, yb))
+
+    for _ in range(2):
+        for xb, yb in batches:
+            step(xb, yb)
+    return figures(reference, reference.optimizer, model, optimizer, build_tagger)
+
+
+def fit_loss_scale_inside(strategy):
+    """``GradientAccumulateOptimizer(LossScaleOptimizer(Adam))`` compiled with
+    ``auto_scale_loss=False`` under mixed_float16 (Keras >= 3.10): Keras's
+    default initial scale, 64 samples, 3 epochs. ``scales``: both final loss
+    scales."""
+    if KERAS_VERSION < (3, 10):
+        return {"skip": "a LossScaleOptimizer inside is supported from Keras 3.10"}
+
+    def adam():
+        return keras.optimizers.Adam(0.01, epsilon=1e-4)
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(64, 5)).astype("float32")
+        y = rng.normal(size=(64, 1)).astype("float32")
+        reference = build_dense()
+        reference.compile(adam(), "mse")
+        reference.fit(x, y, batch_size=BIG_BATCH, epochs=3, shuffle=False, verbose=0)
+        with strategy.scope():
+            model = build_dense()
+            optimizer = GradientAccumulateOptimizer(
+                keras.optimizers.LossScaleOptimizer(adam()), accum_steps=ACCUM_STEPS
+            )
+            model.compile(optimizer, "mse", auto_scale_loss=False)
+        model.fit(x, y, batch_size=GLOBAL_MICRO_BATCH, epochs=3, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    result = figures(reference, reference.optimizer, model, optimizer, build_dense)
+    result["scales"] = [
+        float(reference.optimizer.dynamic_scale.numpy()),
+        float(optimizer.inner_optimizer.dynamic_scale.numpy()),
+    ]
+    return result
+
+
 CASES = {
     **{f"loop_{name}": loop_case(name) for name in OPTIMIZERS if name != "sgd"},
     "loop_agc": loop_agc,
@@ -302,6 +384,8 @@ CASES = {
     "fit_global_clipnorm": fit_case("global_clipnorm"),
     "fit_sparse_adam": fit_sparse_adam,
     "fit_mixed_float16": fit_mixed_float16,
+    "loop_tokens": loop_tokens,
+    "fit_loss_scale_inside": fit_loss_scale_inside,
 }
 
 
