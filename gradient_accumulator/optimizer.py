@@ -612,8 +612,17 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 f"Received: normaliser=None, capacity={capacity!r}"
             )
         if accumulator is None:
+            if normaliser is not None or tf.executing_eagerly():
+                # A first micro-step weighted 1 and later ones by their share
+                # would not be the big batch: refuse rather than mix them.
+                raise ValueError(
+                    "`scale_loss` weights the micro-batch by its share of the "
+                    "group, which needs the accumulation state: build the "
+                    "optimizer first, `optimizer.build(model.trainable_variables)`. "
+                    f"Received: an unbuilt optimizer, normaliser={normaliser!r}"
+                )
             # Keras < 3.5 traces `fit`'s step before building the optimizer:
-            # no accumulator yet, every micro-step weighs 1.
+            # that trace weighs every micro-step 1 (nothing pending).
             return self.inner_optimizer.scale_loss(loss)
         micro = accumulator.planned_micro_step()
         if normaliser is None:

@@ -40,7 +40,7 @@ MODES = {
 }
 
 
-@pytest.mark.parametrize("accum_steps", [2, 4], ids=lambda k: f"k{k}")
+@pytest.mark.parametrize("accum_steps", [2, 3, 4], ids=lambda k: f"k{k}")
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS), ids=str)
 def test_equals_big_batch_for_each_optimizer(optimizer, accum_steps):
     x, y = make_regression_data()

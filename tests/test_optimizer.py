@@ -421,6 +421,7 @@ def test_static_loss_scale_of_inner_optimizer():
     inner = keras.optimizers.SGD(0.1, loss_scale_factor=8.0)
     optimizer = GradientAccumulateOptimizer(inner, accum_steps=2)
     assert optimizer.loss_scale_factor == 8.0
+    optimizer.build(model.trainable_variables)
     x, y = _data(8)
     for start in (0, 4):
         with tf.GradientTape() as tape:
@@ -566,6 +567,12 @@ def test_token_count_normaliser_makes_a_custom_loop_exact():
 
     assert_diff_below(run(True), FLOAT32_ATOL)
     assert run(False) > 1e-3  # micro-batches counted equally: visibly not the big batch
+
+
+def test_scale_loss_refuses_an_unbuilt_optimizer_in_eager_mode():
+    optimizer = GradientAccumulateOptimizer("sgd", accum_steps=2)
+    with pytest.raises(ValueError, match=r"build the optimizer first.*normaliser=3"):
+        optimizer.scale_loss(ops.ones(()), normaliser=3)
 
 
 def test_scale_loss_refuses_capacity_without_normaliser():
