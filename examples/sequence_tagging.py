@@ -29,7 +29,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-
 import tensorflow as tf  # noqa: E402
 
 from gradient_accumulator import (  # noqa: E402
@@ -112,7 +111,9 @@ def main():
     # the accumulated dense gradient does (Keras's sparse Adam does not).
     learning_rate = 0.2
 
-    big = train(build(), x, y, ACCUM_STEPS * MICRO_BATCH, epochs, keras.optimizers.SGD(learning_rate))
+    big = train(
+        build(), x, y, ACCUM_STEPS * MICRO_BATCH, epochs, keras.optimizers.SGD(learning_rate)
+    )
     accumulating = train(
         build(GradientAccumulateModel, accum_steps=ACCUM_STEPS),
         x,
@@ -132,24 +133,35 @@ def main():
     )
     diff = gap(accumulating, big)
     print(f"{num_samples} sequences of 1-{LENGTH} tokens, {epochs} epoch(s), SGD({learning_rate})")
-    print(f"reference: plain Keras, batch {ACCUM_STEPS * MICRO_BATCH}; "
-          f"its weights moved by {gap(big, build()):.2e}")
-    print(f"GradientAccumulateModel(accum_steps={ACCUM_STEPS}), batch {MICRO_BATCH}: "
-          f"max |diff| {diff:.2e}")
+    print(
+        f"reference: plain Keras, batch {ACCUM_STEPS * MICRO_BATCH}; "
+        f"its weights moved by {gap(big, build()):.2e}"
+    )
+    print(
+        f"GradientAccumulateModel(accum_steps={ACCUM_STEPS}), batch {MICRO_BATCH}: "
+        f"max |diff| {diff:.2e}"
+    )
     loop_diff = gap(custom_loop, big)
-    print(f"GradientAccumulateOptimizer, custom loop, batch {MICRO_BATCH}: "
-          f"max |diff| {loop_diff:.2e}")
-    print(f"Keras gradient_accumulation_steps={ACCUM_STEPS}, batch {MICRO_BATCH}:      "
-          f"max |diff| {gap(builtin, big):.2e}")
+    print(
+        f"GradientAccumulateOptimizer, custom loop, batch {MICRO_BATCH}: max |diff| {loop_diff:.2e}"
+    )
+    print(
+        f"Keras gradient_accumulation_steps={ACCUM_STEPS}, batch {MICRO_BATCH}:      "
+        f"max |diff| {gap(builtin, big):.2e}"
+    )
     x_test, y_test = make_data(512, seed=1)
     print(f"test loss (accumulating): {accumulating.evaluate(x_test, y_test, verbose=0):.4f}")
     diff = max(diff, loop_diff)
     if diff < args.tolerance:
-        print(f"equal to plain batch {ACCUM_STEPS * MICRO_BATCH} within float32 rounding: "
-              f"max |diff| {diff:.2e} (tolerance {args.tolerance:.0e})")
+        print(
+            f"equal to plain batch {ACCUM_STEPS * MICRO_BATCH} within float32 rounding: "
+            f"max |diff| {diff:.2e} (tolerance {args.tolerance:.0e})"
+        )
     else:
-        print(f"FAIL: not equal to plain batch {ACCUM_STEPS * MICRO_BATCH}: max |diff| {diff:.2e} "
-              f"(tolerance {args.tolerance:.0e})")
+        print(
+            f"FAIL: not equal to plain batch {ACCUM_STEPS * MICRO_BATCH}: max |diff| {diff:.2e} "
+            f"(tolerance {args.tolerance:.0e})"
+        )
         sys.exit(1)
 
 

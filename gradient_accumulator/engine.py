@@ -161,7 +161,7 @@ def _sum_if_in_cross_replica(condition, values, fn):
 
 
 def _has_loss_scale(optimizer):
-    """Whether a ``LossScaleOptimizer`` is in ``optimizer``'s chain (it skips non-finite updates)."""
+    """Whether a ``LossScaleOptimizer`` (it skips non-finite updates) is in the chain."""
     while optimizer is not None:
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             return True

@@ -20,12 +20,12 @@ from gradient_accumulator.agc import adaptive_clip_gradients, check_agc_argument
 from gradient_accumulator.distribute import AverageBatchNormStatistics, logs_for_keras
 from gradient_accumulator.engine import GradientAccumulator, update_step_scope, without_state
 from gradient_accumulator.optimizer import check_optimizer_does_not_accumulate
-from gradient_accumulator.weighting import weight_micro_batch, weight_only_loss_count
 from gradient_accumulator.validation import (
     check_accum_steps,
     check_bool,
     check_keyword_arguments,
 )
+from gradient_accumulator.weighting import weight_micro_batch, weight_only_loss_count
 
 # The wrapper's own constructor arguments, in signature order: the one list
 # that `get_config`, `wrapper_config` and `replace_batchnorm_layers` read.
@@ -104,11 +104,14 @@ class GradientAccumulateModel(keras.Model):
     Each train step computes the gradient of one micro-batch and adds it to
     float32 sums; every ``accum_steps``-th micro-step hands the mean of the
     group to the compiled optimizer and empties the sums. With micro-batch
-    gradients ``g_i`` over ``n_i`` samples, the update uses::
+    gradients ``g_i`` of a loss that Keras divides by ``N_i`` (its samples; or
+    its valid tokens under a mask; or the sum of its sample weights with
+    ``reduction="mean_with_sample_weight"``), the update uses::
 
-        g = sum_i(n_i * g_i) / sum_i(n_i)
+        g = sum_i(N_i * g_i) / sum_i(N_i)
 
-    the gradient of the mean loss over the concatenated group. Hence
+    the gradient of the loss of the concatenated group (a summed loss,
+    ``reduction="sum"``, gives ``sum_i(g_i)``). Hence
     ``fit(x, y, batch_size=b)`` trains like plain Keras
     ``fit(x, y, batch_size=accum_steps * b)`` on the same data order: the
     optimizer (any Keras optimizer, its moments, weight decay, EMA, clipping
@@ -122,12 +125,21 @@ class GradientAccumulateModel(keras.Model):
     shorter last batch. Groups never span epochs. With data of unknown length
     the leftover group is applied when the epoch ends (after validation).
 
+    The normaliser is read from Keras's own loss reductions while the loss
+    is computed. Each micro-batch's loss is multiplied by its share of the
+    group before the backward pass (``1 / accum_steps`` for equal
+    micro-batches), so that under ``mixed_float16`` its float16 gradients
+    have the big batch's magnitude and the loss scale follows the big
+    batch's.
+
     Where it is *not* identical to the big batch: layers whose forward pass
     depends on the whole batch (BatchNormalization sees one micro-batch at a
-    time; see ``AccumBatchNormalization``), losses that are not a mean over
-    samples (a loss with ``reduction="sum"`` or a masked loss is weighted by
-    micro-batch size, not by its own normaliser), and float rounding
-    (float32: about 1e-6; float16 compute: about 1e-3, tested to 2e-3).
+    time; see ``AccumBatchNormalization``), outputs whose losses divide by
+    different normalisers (e.g. a masked per-token output beside a
+    per-sequence one: a warning at the first step says so, and the
+    documentation's "Which losses are exact" lists every case), and float
+    rounding (float32: about 1e-6; float16 compute: about 1e-3, tested to
+    2e-3).
 
     State: the accumulation sums are not model weights (``get_weights()`` has
     the unwrapped model's structure) but are saved by ``save_weights``,

@@ -217,6 +217,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         inner_optimizer.apply(g)   # moments, weight decay, clipping, EMA,
                                    # learning-rate schedule, iterations += 1
 
+    (With :meth:`scale_loss`, ``g_i`` is the gradient of ``w_i * loss_i``
+    and the mean is ``sum_i(g_i) / sum_i(w_i)``, the same update.)
+
     The calls in between change neither the weights nor any state of the
     inner optimizer (its moments and ``iterations`` stay bit-identical), so
     ``iterations`` counts updates and a learning-rate schedule sees updates.
@@ -226,16 +229,16 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     size, ``g`` is the gradient of the mean loss over the concatenated batch
     and one update equals one step of the inner optimizer on that batch, for
     any optimizer (float32: within about 1e-6). Micro-batches are weighted
-    equally whatever their size: with sizes ``n_i`` that differ, a sample of
-    micro-batch ``i`` weighs ``mean(n) / n_i`` times what it would in the big
-    batch (e.g. the epoch's last, shorter batch in ``fit``). The optimizer
-    does not see epochs either: in ``fit``, when the batches per epoch are not
-    a multiple of ``accum_steps``, a group spans two epochs.
-    ``GradientAccumulateModel`` weights micro-batches by size and ends groups
-    with the epoch; prefer it for ``fit``. In a custom loop, give
-    micro-batches equal sizes, or differentiate
-    ``mean_loss_i * n_i * accum_steps / N`` (``N``: samples in the group), or
-    call :meth:`apply_accumulated_gradients` to end a group early.
+    equally unless told otherwise: pass each micro-batch's normaliser (its
+    samples, or its valid tokens for a masked loss) to
+    ``scale_loss(loss, normaliser=...)`` and differentiate what it returns;
+    micro-batch ``i`` then weighs ``N_i / sum(N)`` in the update, as in the
+    big batch. The optimizer does not see epochs either: in ``fit``, when the
+    batches per epoch are not a multiple of ``accum_steps``, a group spans two
+    epochs. ``GradientAccumulateModel`` reads the normalisers from Keras's
+    losses and ends groups with the epoch; prefer it for ``fit``. In a
+    custom loop, call :meth:`apply_accumulated_gradients` to end a group
+    early.
 
     Sparse gradients (``tf.IndexedSlices``, e.g. from ``keras.layers.Embedding``)
     are scatter-added into a dense float32 sum, which merges duplicate indices
@@ -254,16 +257,20 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     global mean without reducing it again (so its clipping sees the global
     gradient).
 
-    Mixed precision: use ``keras.optimizers.LossScaleOptimizer(
-    GradientAccumulateOptimizer(...))``, which ``model.compile()`` builds by
-    itself under the ``"mixed_float16"`` policy. The ``LossScaleOptimizer``
-    unscales and checks every micro-step's gradients before this wrapper sees
-    them: a micro-step with non-finite gradients is dropped (not accumulated;
-    the loss scale is halved) and the group completes one micro-step later.
-    ``GradientAccumulateModel`` differs: it sums the scaled gradients and
-    unscales once per update, so one non-finite micro-batch skips its whole
-    group, as it would skip the big batch's step. Wrapping a
-    ``LossScaleOptimizer`` is refused.
+    Mixed precision: ``GradientAccumulateOptimizer(LossScaleOptimizer(
+    optimizer), ...)`` (Keras >= 3.10; ``compile(..., auto_scale_loss=False)``)
+    is the big batch: ``scale_loss`` multiplies each micro-batch's loss by its
+    share of the group (``1 / accum_steps``) and by the loss scale, the scaled
+    gradients are summed, and the ``LossScaleOptimizer`` unscales and checks
+    the group's mean once per update, so one non-finite micro-batch skips its
+    whole group and the loss scale follows the big batch's. A second
+    ``LossScaleOptimizer`` around it is refused. The other order,
+    ``LossScaleOptimizer(GradientAccumulateOptimizer(...))``, is what
+    ``model.compile()`` builds by itself from this wrapper under
+    ``mixed_float16``: that ``LossScaleOptimizer`` unscales and checks every
+    micro-step before this wrapper sees it, applies no share, and drops a
+    micro-step with non-finite gradients on its own (the group completes one
+    micro-step later).
 
     Everything else that shapes the update (``learning_rate`` and its
     schedule, ``weight_decay``, ``clipnorm``, ``global_clipnorm``,

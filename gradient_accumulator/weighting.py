@@ -25,7 +25,6 @@ warning that says so.
 
 import warnings
 
-import keras
 import tensorflow as tf
 from keras import ops
 
@@ -210,6 +209,4 @@ def _weight_sum(loss, additional_losses, micro):
 
 def weight_only_loss_count(model):
     """How many of ``model.losses`` are weight regularizers (data-independent)."""
-    return sum(
-        1 for v in model.trainable_weights if getattr(v, "regularizer", None) is not None
-    )
+    return sum(1 for v in model.trainable_weights if getattr(v, "regularizer", None) is not None)

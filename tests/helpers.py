@@ -196,9 +196,9 @@ def make_padded_sequences(num_samples=64, seed=0, shard_size=None):
         lengths = rng.integers(1, TAG_LENGTH + 1, size=num_samples)
     else:
         first = (np.arange(num_samples) // shard_size) % 2 == 0
-        lengths = np.where(
-            first, rng.integers(1, 4, size=num_samples), rng.integers(8, TAG_LENGTH + 1, size=num_samples)
-        )
+        short = rng.integers(1, 4, size=num_samples)
+        long = rng.integers(8, TAG_LENGTH + 1, size=num_samples)
+        lengths = np.where(first, short, long)
     positions = np.arange(TAG_LENGTH)[None, :]
     valid = positions < lengths[:, None]
     x = np.where(valid, rng.integers(1, TAG_VOCABULARY, size=(num_samples, TAG_LENGTH)), 0)
@@ -212,9 +212,9 @@ def build_tagger(cls=keras.Model, seed=0, regularizer=None, **kwargs):
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((TAG_LENGTH,), dtype="int32", name="tokens")
     embedded = keras.layers.Embedding(TAG_VOCABULARY, 8, mask_zero=True, name="embedding")(inputs)
-    hidden = keras.layers.Dense(8, activation="tanh", kernel_regularizer=regularizer, name="hidden")(
-        embedded
-    )
+    hidden = keras.layers.Dense(
+        8, activation="tanh", kernel_regularizer=regularizer, name="hidden"
+    )(embedded)
     outputs = keras.layers.Dense(TAG_CLASSES, name="tags")(hidden)
     return cls(inputs=inputs, outputs=outputs, **kwargs)
 

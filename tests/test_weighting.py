@@ -67,8 +67,9 @@ def test_embedding_masked_token_loss_equals_big_batch(weighted):
     x, tags, weights = make_padded_sequences()
     fit_kwargs = {"sample_weight": weights} if weighted else {}
     reference, accumulating = no_warnings(
-        lambda: train_pair(build_tagger, sgd, x, tags, epochs=1, compile_kwargs=TAG_LOSS,
-                           fit_kwargs=fit_kwargs)
+        lambda: train_pair(
+            build_tagger, sgd, x, tags, epochs=1, compile_kwargs=TAG_LOSS, fit_kwargs=fit_kwargs
+        )
     )
     assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
 
@@ -90,8 +91,15 @@ def test_mean_with_sample_weight_equals_big_batch():
         from_logits=True, reduction="mean_with_sample_weight"
     )
     reference, accumulating = no_warnings(
-        lambda: train_pair(build_tagger, sgd, x, tags, epochs=1, compile_kwargs={"loss": loss},
-                           fit_kwargs={"sample_weight": weights})
+        lambda: train_pair(
+            build_tagger,
+            sgd,
+            x,
+            tags,
+            epochs=1,
+            compile_kwargs={"loss": loss},
+            fit_kwargs={"sample_weight": weights},
+        )
     )
     assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
 
@@ -102,8 +110,14 @@ def test_mean_with_sample_weight_per_sample_equals_big_batch():
     weights = np.random.default_rng(4).uniform(0.0, 5.0, size=len(x)).astype("float32")
     loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
     reference, accumulating = no_warnings(
-        lambda: train_pair(build_dense, lambda: keras.optimizers.Adam(0.01), x, y,
-                           compile_kwargs={"loss": loss}, fit_kwargs={"sample_weight": weights})
+        lambda: train_pair(
+            build_dense,
+            lambda: keras.optimizers.Adam(0.01),
+            x,
+            y,
+            compile_kwargs={"loss": loss},
+            fit_kwargs={"sample_weight": weights},
+        )
     )
     assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
 
@@ -131,7 +145,11 @@ def test_masked_loss_with_regularizer_counts_it_once_per_update():
     reference, accumulating = no_warnings(
         lambda: train_pair(
             lambda cls, **kw: build_tagger(cls, regularizer=keras.regularizers.L2(0.05), **kw),
-            sgd, x, tags, epochs=1, compile_kwargs=TAG_LOSS,
+            sgd,
+            x,
+            tags,
+            epochs=1,
+            compile_kwargs=TAG_LOSS,
         )
     )
     assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
@@ -159,8 +177,9 @@ def test_two_outputs_with_the_same_mask_equal_big_batch():
         "loss_weights": [1.0, 0.3],
     }
     reference, accumulating = no_warnings(
-        lambda: train_pair(build_two_heads, sgd, x, [tags, scores], epochs=1,
-                           compile_kwargs=compile_kwargs)
+        lambda: train_pair(
+            build_two_heads, sgd, x, [tags, scores], epochs=1, compile_kwargs=compile_kwargs
+        )
     )
     assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
 
@@ -182,9 +201,15 @@ def test_outputs_with_different_normalisers_warn():
 def test_masked_loss_epoch_end_and_steps_per_execution(num_samples, compile_kwargs):
     x, tags, weights = make_padded_sequences(num_samples)
     reference, accumulating = no_warnings(
-        lambda: train_pair(build_tagger, sgd, x, tags, epochs=2,
-                           compile_kwargs={**TAG_LOSS, **compile_kwargs},
-                           fit_kwargs={"sample_weight": weights})
+        lambda: train_pair(
+            build_tagger,
+            sgd,
+            x,
+            tags,
+            epochs=2,
+            compile_kwargs={**TAG_LOSS, **compile_kwargs},
+            fit_kwargs={"sample_weight": weights},
+        )
     )
     assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
 
@@ -192,8 +217,15 @@ def test_masked_loss_epoch_end_and_steps_per_execution(num_samples, compile_kwar
 def test_masked_loss_mixed_float16_equals_big_batch(mixed_float16):
     x, tags, weights = make_padded_sequences()
     reference, accumulating = no_warnings(
-        lambda: train_pair(build_tagger, sgd, x, tags, epochs=2,
-                           compile_kwargs=TAG_LOSS, fit_kwargs={"sample_weight": weights})
+        lambda: train_pair(
+            build_tagger,
+            sgd,
+            x,
+            tags,
+            epochs=2,
+            compile_kwargs=TAG_LOSS,
+            fit_kwargs={"sample_weight": weights},
+        )
     )
     assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT16_ATOL)
     for attribute in ("iterations", "dynamic_scale"):
@@ -215,7 +247,12 @@ if KERAS_VERSION >= (3, 8):
         {
             "mean_with_sample_weight": ("mean_with_sample_weight", False, True, "weights"),
             "mean_with_sample_weight_masked": ("mean_with_sample_weight", True, True, "weights"),
-            "mean_with_sample_weight_mask_only": ("mean_with_sample_weight", True, False, "weights"),
+            "mean_with_sample_weight_mask_only": (
+                "mean_with_sample_weight",
+                True,
+                False,
+                "weights",
+            ),
         }
     )
 

@@ -320,7 +320,9 @@ def loop_tokens(strategy):
         def replica_step(xb, yb):
             with tf.GradientTape() as tape:
                 logits = model(xb, training=True)
-                per_token = keras.losses.sparse_categorical_crossentropy(yb, logits, from_logits=True)
+                per_token = keras.losses.sparse_categorical_crossentropy(
+                    yb, logits, from_logits=True
+                )
                 mask = tf.cast(xb != 0, "float32")
                 tokens = tf.reduce_sum(mask)
                 mean = tf.reduce_sum(per_token * mask) / tokens / REPLICAS
