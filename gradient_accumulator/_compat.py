@@ -87,6 +87,32 @@ def recorded_loss_reductions():
         _reductions.records = previous
 
 
+def loss_scale_optimizer_building(optimizer):
+    """The ``LossScaleOptimizer`` whose ``build`` is building ``optimizer`` now, or ``None``.
+
+    Nothing tells an optimizer that a ``LossScaleOptimizer`` wraps it (from
+    Keras 3.10 on, the wrapper clears its ``loss_scale_factor``; before, not
+    even that), but Keras's ``LossScaleOptimizer.build`` calls
+    ``self.inner_optimizer.build(var_list)``: the calling frames hold it.
+    ``tests/test_compat.py`` checks that it is found.
+    """
+    frame = inspect.currentframe()
+    try:
+        for _ in range(8):
+            frame = frame.f_back
+            if frame is None:
+                return None
+            caller = frame.f_locals.get("self")
+            if (
+                isinstance(caller, keras.optimizers.LossScaleOptimizer)
+                and caller.inner_optimizer is optimizer
+            ):
+                return caller
+        return None
+    finally:
+        del frame
+
+
 def keras_apply_mask(sample_weight, mask, dtype, reduction):
     """Keras's own merge of a mask into sample weights (``losses.loss.apply_mask``).
 

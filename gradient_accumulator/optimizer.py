@@ -1,6 +1,7 @@
 """The optimizer wrapper: accumulates gradients for any Keras optimizer, in any training loop."""
 
 import inspect
+import warnings
 from collections.abc import Callable
 
 import keras
@@ -9,7 +10,7 @@ from keras import ops
 
 from gradient_accumulator._compat import (
     check_optimizer_knows,
-    keras_version,
+    loss_scale_optimizer_building,
     optimizer_own_variables,
     optimizer_variable_index,
     optimizer_variables_in_build_order,
@@ -65,25 +66,15 @@ def _innermost(optimizer):
     return optimizer
 
 
-def _check_inner_loss_scale(optimizer):
-    """Refuses a ``LossScaleOptimizer`` inside where a second one could not be refused.
-
-    Keras clears the loss scale factor of the optimizer a
-    ``LossScaleOptimizer`` wraps from 3.10 on; through it this wrapper
-    refuses an outer ``LossScaleOptimizer`` that would scale the loss twice
-    (see ``loss_scale_factor``). Before, the two would apply silently.
-    """
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and keras_version() < (3, 10):
-        raise ValueError(
-            "`GradientAccumulateOptimizer` wraps a `LossScaleOptimizer` from Keras "
-            "3.10 on: before, a second `LossScaleOptimizer` around it (which "
-            "`model.compile()` adds under 'mixed_float16') would scale the loss "
-            "twice without an error. Upgrade Keras, or wrap the other way, "
-            "`keras.optimizers.LossScaleOptimizer(GradientAccumulateOptimizer(...))`, "
-            "or use `GradientAccumulateModel`. Received: Keras "
-            f"{keras.__version__}, optimizer=LossScaleOptimizer(inner_optimizer="
-            f"{type(optimizer.inner_optimizer).__name__})"
-        )
+def _double_loss_scale_error(received):
+    return ValueError(
+        "This `GradientAccumulateOptimizer` wraps a `LossScaleOptimizer` and is "
+        "being wrapped in another (`model.compile()` does so under the "
+        "'mixed_float16' policy): the loss would be scaled twice. Compile with "
+        "`auto_scale_loss=False`, or let `compile` wrap a "
+        "`GradientAccumulateOptimizer` of the plain optimizer. Received: "
+        f"{received}"
+    )
 
 
 def check_optimizer_does_not_accumulate(optimizer, accum_steps, owner):
@@ -258,7 +249,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     gradient).
 
     Mixed precision: ``GradientAccumulateOptimizer(LossScaleOptimizer(
-    optimizer), ...)`` (Keras >= 3.10; ``compile(..., auto_scale_loss=False)``)
+    optimizer), ...)`` (with ``compile(..., auto_scale_loss=False)``)
     is the big batch: ``scale_loss`` multiplies each micro-batch's loss by its
     share of the group (``1 / accum_steps``) and by the loss scale, the scaled
     gradients are summed, and the ``LossScaleOptimizer`` unscales and checks
@@ -270,7 +261,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     ``mixed_float16``: that ``LossScaleOptimizer`` unscales and checks every
     micro-step before this wrapper sees it, applies no share, and drops a
     micro-step with non-finite gradients on its own (the group completes one
-    micro-step later).
+    micro-step later); ``build`` warns about it.
 
     Everything else that shapes the update (``learning_rate`` and its
     schedule, ``weight_decay``, ``clipnorm``, ``global_clipnorm``,
@@ -368,7 +359,6 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         )
         accum_steps = _check_accum_steps(accum_steps)
         inner_optimizer = _resolve_optimizer(optimizer)
-        _check_inner_loss_scale(inner_optimizer)
         check_optimizer_does_not_accumulate(
             inner_optimizer, accum_steps, "GradientAccumulateOptimizer"
         )
@@ -396,6 +386,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 of :meth:`apply` may pass gradients for any subset of them.
         """
         var_list = list(var_list)
+        self._check_outer_loss_scale()
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
         transform = self._clip_adaptively if self.use_agc else None
@@ -545,14 +536,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if isinstance(inner, keras.optimizers.LossScaleOptimizer):
             # A LossScaleOptimizer clears the factor of the optimizer it wraps:
             # this one already holds one.
-            raise ValueError(
-                "This `GradientAccumulateOptimizer` wraps a `LossScaleOptimizer` "
-                "and is being wrapped in another (`model.compile()` does so under "
-                "the 'mixed_float16' policy): the loss would be scaled twice. "
-                "Compile with `auto_scale_loss=False`, or let `compile` wrap a "
-                "`GradientAccumulateOptimizer` of the plain optimizer. Received: "
-                f"loss_scale_factor={value!r}"
-            )
+            raise _double_loss_scale_error(f"loss_scale_factor={value!r}")
         inner.loss_scale_factor = value
 
     @property
@@ -697,6 +681,31 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 config["accum_steps"], custom_objects=custom_objects
             )
         return cls(**config)
+
+    def _check_outer_loss_scale(self):
+        """Refuses a second loss scale; warns that an outer one applies no share.
+
+        Called from ``build``, which a ``LossScaleOptimizer`` wrapping this
+        one calls from its own ``build``.
+        """
+        outer = loss_scale_optimizer_building(self)
+        if outer is None:
+            return
+        if isinstance(self.inner_optimizer, keras.optimizers.LossScaleOptimizer):
+            raise _double_loss_scale_error(
+                f"LossScaleOptimizer(GradientAccumulateOptimizer(LossScaleOptimizer("
+                f"{type(self.inner_optimizer.inner_optimizer).__name__})))"
+            )
+        warnings.warn(
+            "A `LossScaleOptimizer` wraps this `GradientAccumulateOptimizer` "
+            "(`model.compile()` does so under 'mixed_float16'): it scales every "
+            "micro-batch's loss as a whole batch's, so a micro-batch may overflow "
+            "where the big batch would not (that micro-step is dropped and the "
+            "scale halved). For the big batch's loss scale, wrap the other way, "
+            "`GradientAccumulateOptimizer(LossScaleOptimizer(optimizer), ...)`, and "
+            "compile with `auto_scale_loss=False`.",
+            stacklevel=3,
+        )
 
     def _clip_adaptively(self, grads, variables):
         return adaptive_clip_gradients(grads, variables, self.clip_factor, self.eps)

@@ -138,3 +138,32 @@ def test_tensorflow_internals():
     assert callable(getattr(CollectiveAllReduceExtended, "_in_multi_worker_mode", None)), _changed(
         "MultiWorkerMirroredStrategy.extended._in_multi_worker_mode", "it no longer exists"
     )
+
+
+def test_a_loss_scale_optimizer_is_found_building_its_inner_optimizer():
+    found = []
+
+    class Probe(keras.optimizers.SGD):
+        def build(self, var_list):
+            found.append(_compat.loss_scale_optimizer_building(self))
+            super().build(var_list)
+
+    probe = Probe()
+    outer = keras.optimizers.LossScaleOptimizer(probe)
+    outer.build([keras.Variable(np.zeros(2, "float32"))])
+    probe.build([keras.Variable(np.zeros(2, "float32"))])  # not from a LossScaleOptimizer
+    assert found == [outer, None]
+
+
+def test_loss_reductions_are_recorded_with_what_keras_combined():
+    y_pred = keras.ops.ones((2, 3, 1))
+    y_pred._keras_mask = keras.ops.convert_to_tensor([[True, True, False], [True, False, False]])
+    loss_fn = keras.losses.MeanAbsoluteError(reduction="sum")
+    with _compat.recorded_loss_reductions() as records:
+        loss_fn(keras.ops.zeros((2, 3, 1)), y_pred, sample_weight=None)
+    assert len(records) == 1
+    values, sample_weight, mask, reduction, loss = records[0]
+    assert tuple(values.shape) == (2, 3) and sample_weight is None and reduction == "sum"
+    assert np.asarray(mask).tolist() == [[True, True, False], [True, False, False]]
+    loss_fn(keras.ops.zeros((2, 3, 1)), keras.ops.ones((2, 3, 1)))  # outside: not recorded
+    assert len(records) == 1
