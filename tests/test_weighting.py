@@ -199,34 +199,28 @@ def test_outputs_with_different_normalisers_warn():
     ids=["last_group_shorter", "steps_per_execution"],
 )
 def test_masked_loss_epoch_end_and_steps_per_execution(num_samples, compile_kwargs):
-    x, tags, weights = make_padded_sequences(num_samples)
-    reference, accumulating = no_warnings(
-        lambda: train_pair(
-            build_tagger,
-            sgd,
-            x,
-            tags,
-            epochs=2,
-            compile_kwargs={**TAG_LOSS, **compile_kwargs},
-            fit_kwargs={"sample_weight": weights},
-        )
-    )
+    reference, accumulating = _weighted_tagger_pair(num_samples, compile_kwargs)
     assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
 
 
-def test_masked_loss_mixed_float16_equals_big_batch(mixed_float16):
-    x, tags, weights = make_padded_sequences()
-    reference, accumulating = no_warnings(
+def _weighted_tagger_pair(num_samples=64, compile_kwargs=None):
+    """The tagger with temporal sample weights, 2 epochs of SGD: reference and accumulating."""
+    x, tags, weights = make_padded_sequences(num_samples)
+    return no_warnings(
         lambda: train_pair(
             build_tagger,
             sgd,
             x,
             tags,
             epochs=2,
-            compile_kwargs=TAG_LOSS,
+            compile_kwargs={**TAG_LOSS, **(compile_kwargs or {})},
             fit_kwargs={"sample_weight": weights},
         )
     )
+
+
+def test_masked_loss_mixed_float16_equals_big_batch(mixed_float16):
+    reference, accumulating = _weighted_tagger_pair()
     assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT16_ATOL)
     for attribute in ("iterations", "dynamic_scale"):
         assert float(getattr(reference.optimizer, attribute).numpy()) == float(

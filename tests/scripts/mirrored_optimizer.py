@@ -86,11 +86,27 @@ def figures(reference, reference_optimizer, model, optimizer, build):
 # ------------------------------------------------------------- custom loop --
 
 
-def train_loop(strategy, build, optimizer_factory, x, y, epochs=1, apply_rest=False):
+def mean_squared_error_loss(model, optimizer, xb, yb):
+    """A replica's share of the global micro-batch's mean squared error."""
+    per_sample = keras.losses.mean_squared_error(yb, model(xb, training=True))
+    return tf.nn.compute_average_loss(per_sample, global_batch_size=GLOBAL_MICRO_BATCH)
+
+
+def train_loop(
+    strategy,
+    build,
+    optimizer_factory,
+    x,
+    y,
+    epochs=1,
+    apply_rest=False,
+    replica_loss=mean_squared_error_loss,
+):
     """The custom loop under ``strategy``; returns ``(model, optimizer)``.
 
     ``apply_rest``: after the last micro-step, ``apply_accumulated_gradients``
-    (in replica context) applies the unfinished group.
+    (in replica context) applies the unfinished group. ``replica_loss(model,
+    optimizer, xb, yb)``: what each replica differentiates.
     """
     with strategy.scope():
         model = build()
@@ -103,8 +119,7 @@ def train_loop(strategy, build, optimizer_factory, x, y, epochs=1, apply_rest=Fa
     def step(xb, yb):
         def replica_step(xb, yb):
             with tf.GradientTape() as tape:
-                per_sample = keras.losses.mean_squared_error(yb, model(xb, training=True))
-                loss = tf.nn.compute_average_loss(per_sample, global_batch_size=GLOBAL_MICRO_BATCH)
+                loss = replica_loss(model, optimizer, xb, yb)
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
@@ -311,35 +326,24 @@ def loop_tokens(strategy):
     reference = build_tagger()
     reference.compile(OPTIMIZERS["sgd"](), loss)
     reference.fit(x, tags, batch_size=BIG_BATCH, epochs=2, shuffle=False, verbose=0)
-    with strategy.scope():
-        model = build_tagger()
-        optimizer = GradientAccumulateOptimizer(OPTIMIZERS["sgd"](), accum_steps=ACCUM_STEPS)
-        optimizer.build(model.trainable_variables)
-    dataset = tf.data.Dataset.from_tensor_slices((x, tags)).batch(GLOBAL_MICRO_BATCH)
-    batches = strategy.experimental_distribute_dataset(dataset)
+    def token_loss(model, optimizer, xb, yb):
+        logits = model(xb, training=True)
+        per_token = keras.losses.sparse_categorical_crossentropy(yb, logits, from_logits=True)
+        mask = tf.cast(xb != 0, "float32")
+        tokens = tf.reduce_sum(mask)
+        mean = tf.reduce_sum(per_token * mask) / tokens / REPLICAS
+        capacity = tf.cast(tf.size(mask), "float32")
+        return optimizer.scale_loss(mean, normaliser=tokens, capacity=capacity)
 
-    @tf.function
-    def step(xb, yb):
-        def replica_step(xb, yb):
-            with tf.GradientTape() as tape:
-                logits = model(xb, training=True)
-                per_token = keras.losses.sparse_categorical_crossentropy(
-                    yb, logits, from_logits=True
-                )
-                mask = tf.cast(xb != 0, "float32")
-                tokens = tf.reduce_sum(mask)
-                mean = tf.reduce_sum(per_token * mask) / tokens / REPLICAS
-                scaled = optimizer.scale_loss(
-                    mean, normaliser=tokens, capacity=tf.cast(tf.size(mask), "float32")
-                )
-            grads = tape.gradient(scaled, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-
-        strategy.run(replica_step, args=(xb, yb))
-
-    for _ in range(2):
-        for xb, yb in batches:
-            step(xb, yb)
+    model, optimizer = train_loop(
+        strategy,
+        build_tagger,
+        lambda: GradientAccumulateOptimizer(OPTIMIZERS["sgd"](), accum_steps=ACCUM_STEPS),
+        x,
+        tags,
+        epochs=2,
+        replica_loss=token_loss,
+    )
     return figures(reference, reference.optimizer, model, optimizer, build_tagger)
 
 
