@@ -66,8 +66,8 @@ def _innermost(optimizer):
     return optimizer
 
 
-def _double_loss_scale_error(received):
-    return ValueError(
+def _refuse_double_loss_scale(received):
+    raise ValueError(
         "This `GradientAccumulateOptimizer` wraps a `LossScaleOptimizer` and is "
         "being wrapped in another (`model.compile()` does so under the "
         "'mixed_float16' policy): the loss would be scaled twice. Compile with "
@@ -536,7 +536,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if isinstance(inner, keras.optimizers.LossScaleOptimizer):
             # A LossScaleOptimizer clears the factor of the optimizer it wraps:
             # this one already holds one.
-            raise _double_loss_scale_error(f"loss_scale_factor={value!r}")
+            _refuse_double_loss_scale(f"loss_scale_factor={value!r}")
         inner.loss_scale_factor = value
 
     @property
@@ -692,7 +692,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if outer is None:
             return
         if isinstance(self.inner_optimizer, keras.optimizers.LossScaleOptimizer):
-            raise _double_loss_scale_error(
+            _refuse_double_loss_scale(
                 f"LossScaleOptimizer(GradientAccumulateOptimizer(LossScaleOptimizer("
                 f"{type(self.inner_optimizer.inner_optimizer).__name__})))"
             )
