@@ -195,10 +195,15 @@ def test_outputs_with_different_normalisers_warn():
 
 @pytest.mark.parametrize(
     "num_samples, compile_kwargs",
-    [(60, {}), (100, {"steps_per_execution": 3})],
-    ids=["last_group_shorter", "steps_per_execution"],
+    [
+        (60, {}),
+        (100, {"steps_per_execution": 3}),
+        (60, {"jit_compile": True}),
+        (60, {"run_eagerly": True}),
+    ],
+    ids=["last_group_shorter", "steps_per_execution", "jit", "eager"],
 )
-def test_masked_loss_epoch_end_and_steps_per_execution(num_samples, compile_kwargs):
+def test_masked_loss_in_every_execution_mode(num_samples, compile_kwargs):
     reference, accumulating = _weighted_tagger_pair(num_samples, compile_kwargs)
     assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
 
