@@ -294,15 +294,19 @@ class GradientAccumulateModel(keras.Model):
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         loss_tracker(self).update_state(loss * replicas, sample_weight=batch_size)
         grads = tape.gradient(weighted_loss, variables)
-        statistics = self._apply_statistics(is_update_step)
-        accumulator.step(
-            grads,
-            weighting.divisor,
-            is_update_step,
-            self.optimizer,
-            variables,
-            statistics,
-        )
+        # Every state change waits for the batch (see above): the counters'
+        # increments depend on nothing else, and TensorFlow may run them in a
+        # step whose batch never arrives.
+        with tf.control_dependencies(inputs):
+            statistics = self._apply_statistics(is_update_step)
+            accumulator.step(
+                grads,
+                weighting.divisor,
+                is_update_step,
+                self.optimizer,
+                variables,
+                statistics,
+            )
         compiled_metrics = getattr(self, "_compile_metrics", None)
         if keras_version() < (3, 5) and compiled_metrics is not None and not compiled_metrics.built:
             # Keras < 3.5 builds the compiled metrics in the first traced
