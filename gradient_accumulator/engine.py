@@ -342,27 +342,6 @@ class GradientAccumulator(tf.Module):
         """Whether this accumulator was built for exactly ``variables``."""
         return tuple(id(v) for v in variables) == self._variable_ids
 
-    def begin_micro_step(self, batch_size=None):
-        """Starts a micro-step: returns ``(loss_weight, is_update_step)``.
-
-        :meth:`start_micro_step` and :meth:`share` in one call, for a caller
-        whose micro-batches are weighted by their sample count.
-
-        Args:
-            batch_size: Scalar tensor, samples in this micro-batch; ``None``
-                gives every micro-step the weight 1.
-
-        Returns:
-            ``loss_weight``: float32 scalar ``w_i`` to multiply the loss by.
-            ``is_update_step``: boolean scalar, whether this micro-step ends
-            the group (read it before the forward pass, e.g. for BN).
-        """
-        micro = self.start_micro_step()
-        if batch_size is None:
-            return ops.ones((), "float32"), micro.is_update_step
-        size = ops.cast(batch_size, "float32")
-        return self.share(size, size, micro), micro.is_update_step
-
     def start_micro_step(self):
         """Starts a micro-step (before the forward pass): returns a :class:`MicroStep`."""
         steps_left = self.steps_to_boundary.assign_sub(1)

@@ -109,14 +109,11 @@ class MicroBatchWeighting:
     Attributes:
         objective: Scalar, ``w_i * loss_i`` (before any loss scale).
         divisor: Float32 scalar added to the group's divisor.
-        normaliser_key: The key of the normaliser used (``SAMPLES`` when
-            falling back).
     """
 
-    def __init__(self, objective, divisor, normaliser_key):
+    def __init__(self, objective, divisor):
         self.objective = objective
         self.divisor = divisor
-        self.normaliser_key = normaliser_key
 
 
 def weight_micro_batch(
@@ -179,7 +176,7 @@ def weight_micro_batch(
         term = next(t for t in terms if t.key == key)
         normaliser, capacity = term.normaliser, term.capacity
     weight = accumulator.share(normaliser, capacity, micro)
-    return MicroBatchWeighting(loss * ops.cast(weight, loss.dtype), weight, key)
+    return MicroBatchWeighting(loss * ops.cast(weight, loss.dtype), weight)
 
 
 def _weight_sum(loss, additional_losses, micro):
@@ -204,7 +201,7 @@ def _weight_sum(loss, additional_losses, micro):
         objective = scale * (loss - extra) + ops.cast(first, loss.dtype) * extra
     else:
         objective = scale * loss
-    return MicroBatchWeighting(objective, first, SUM)
+    return MicroBatchWeighting(objective, first)
 
 
 def weight_only_loss_count(model):

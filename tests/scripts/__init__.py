@@ -17,6 +17,30 @@ import json
 RESULTS = "RESULTS "
 
 
+# The geometry of the MirroredStrategy scripts: two replicas at the global
+# micro-batch 8, 4 micro-steps per update, a global big batch of 32.
+REPLICAS = 2
+MICRO_BATCH = 4  # per replica
+GLOBAL_MICRO_BATCH = REPLICAS * MICRO_BATCH
+ACCUM_STEPS = 4
+BIG_BATCH = ACCUM_STEPS * GLOBAL_MICRO_BATCH
+
+
+def updates(optimizer):
+    """Updates made, by the innermost optimizer (a LossScaleOptimizer's own
+    counter stays 0 before Keras 3.9)."""
+    while getattr(optimizer, "inner_optimizer", None) is not None:
+        optimizer = optimizer.inner_optimizer
+    return int(optimizer.iterations.numpy())
+
+
+def values(variables):
+    """The variables' values as numpy arrays."""
+    import numpy as np
+
+    return [np.asarray(v) for v in variables]
+
+
 def split_cpu(count):
     """Splits the CPU into ``count`` logical devices, ``/cpu:0`` to ``/cpu:{count-1}``.
 

@@ -44,28 +44,23 @@ from tests.helpers import (
     numpy_agc_all,
     train_big_batches,
 )
-from tests.scripts import print_results, split_cpu
-
-REPLICAS = 2
-MICRO_BATCH = 4  # per replica
-GLOBAL_MICRO_BATCH = REPLICAS * MICRO_BATCH
-ACCUM_STEPS = 4
-BIG_BATCH = ACCUM_STEPS * GLOBAL_MICRO_BATCH
+from tests.scripts import (
+    ACCUM_STEPS,
+    BIG_BATCH,
+    GLOBAL_MICRO_BATCH,
+    MICRO_BATCH,
+    REPLICAS,
+    print_results,
+    split_cpu,
+    updates,
+    values,
+)
 
 OPTIMIZERS = TABLE_OPTIMIZERS
 CLIPPED = CLIPPING_OPTIMIZERS
 
 
 # ----------------------------------------------------------------- helpers --
-
-
-def updates(optimizer):
-    """Updates made: a LossScaleOptimizer's own counter stays 0 before Keras 3.9."""
-    return int(getattr(optimizer, "inner_optimizer", optimizer).iterations.numpy())
-
-
-def values(variables):
-    return [np.asarray(v) for v in variables]
 
 
 def compare(reference, model, build, reference_optimizer=None):

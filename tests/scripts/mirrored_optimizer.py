@@ -41,28 +41,20 @@ from tests.helpers import (
     numpy_agc_all,
     train_big_batches,
 )
-from tests.scripts import print_results, split_cpu
-
-REPLICAS = 2
-MICRO_BATCH = 4  # per replica
-GLOBAL_MICRO_BATCH = REPLICAS * MICRO_BATCH
-ACCUM_STEPS = 4
-BIG_BATCH = ACCUM_STEPS * GLOBAL_MICRO_BATCH
+from tests.scripts import (
+    ACCUM_STEPS,
+    BIG_BATCH,
+    GLOBAL_MICRO_BATCH,
+    MICRO_BATCH,
+    REPLICAS,
+    print_results,
+    split_cpu,
+    updates,
+    values,
+)
 
 OPTIMIZERS = {**TABLE_OPTIMIZERS, "sgd": lambda: keras.optimizers.SGD(0.5)}
 CLIPPED = CLIPPING_OPTIMIZERS
-
-
-def updates(optimizer):
-    """Updates made, by the innermost optimizer (a LossScaleOptimizer's own
-    counter stays 0 before Keras 3.9)."""
-    while getattr(optimizer, "inner_optimizer", None) is not None:
-        optimizer = optimizer.inner_optimizer
-    return int(optimizer.iterations.numpy())
-
-
-def values(variables):
-    return [np.asarray(v) for v in variables]
 
 
 def figures(reference, reference_optimizer, model, optimizer, build):
