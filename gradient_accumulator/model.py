@@ -13,7 +13,9 @@ from gradient_accumulator._compat import (
     functional_from_config,
     keras_version,
     loss_tracker,
+    ordered_train_function,
     recorded_loss_reductions,
+    steps_run_unordered,
     sublayers,
 )
 from gradient_accumulator.agc import adaptive_clip_gradients, check_agc_arguments
@@ -369,7 +371,11 @@ class GradientAccumulateModel(keras.Model):
             # the update runs in a conditional, which cannot create variables.
             with self.distribute_strategy.scope():
                 self.optimizer.build(self.trainable_variables)
-        return super().make_train_function(force=force)
+        rebuilt = force or self.train_function is None
+        super().make_train_function(force=force)
+        if rebuilt and steps_run_unordered(self):
+            self.train_function = ordered_train_function(self)
+        return self.train_function
 
     def apply_accumulated_gradients(self):
         """Applies a non-empty, unfinished group now; otherwise does nothing.

@@ -76,6 +76,23 @@ def test_overridden_model_hooks_exist_with_their_parameters():
         assert not missing, _changed(f"keras.Model.{name}", f"it lost {missing}")
 
 
+def test_the_unrolled_train_function_is_the_one_mirrored():
+    # `_compat.ordered_train_function` rebuilds Keras < 3.7's train function
+    # (an unrolled loop of `next(iterator)` and `strategy.run`) with its
+    # private `reduce_per_replica`; from 3.7 Keras loops in a tf.while_loop.
+    from keras.src.backend.tensorflow import trainer
+
+    source = inspect.getsource(trainer.TensorFlowTrainer.make_train_function)
+    unrolled = "for _ in range(self.steps_per_execution)" in source
+    assert unrolled == (_compat.keras_version() < (3, 7)), _changed(
+        "TensorFlowTrainer.make_train_function", "its loop over steps_per_execution changed"
+    )
+    if unrolled:
+        assert callable(getattr(trainer, "reduce_per_replica", None)), _changed(
+            "keras.src.backend.tensorflow.trainer.reduce_per_replica", "it no longer exists"
+        )
+
+
 def test_optimizer_internals():
     variables = [keras.Variable(np.ones((2,), "float32")), keras.Variable(np.ones((3,), "float32"))]
     optimizer = keras.optimizers.SGD(0.1)

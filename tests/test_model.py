@@ -9,6 +9,7 @@ from gradient_accumulator import GradientAccumulateModel
 from tests.helpers import (
     FLOAT16_ATOL,
     FLOAT32_ATOL,
+    KERAS_VERSION,
     MICRO_BATCH,
     assert_close,
     build_classifier,
@@ -59,6 +60,28 @@ def test_equals_big_batch_in_every_execution_mode(mode):
         build_dense, OPTIMIZERS["adam"], x, y, compile_kwargs=MODES[mode]
     )
     assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
+
+
+@pytest.mark.skipif(
+    KERAS_VERSION >= (3, 7), reason="Keras >= 3.7 runs steps_per_execution in a tf.while_loop"
+)
+def test_steps_per_execution_fetches_each_batch_after_the_previous_step():
+    # Keras < 3.7 unrolls the steps; an execution that runs out of data fails
+    # at a fetch that nothing ordered after the previous step, which could
+    # cancel that step's pending updates (a race, seen under CPU load). The
+    # model's train function makes every fetch but the first wait for them.
+    x, y = make_regression_data()
+    model = build_dense(GradientAccumulateModel, accum_steps=4)
+    model.compile(optimizer="adam", loss="mse", steps_per_execution=3)
+    model.make_train_function()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(MICRO_BATCH)
+    graph = model.train_function.get_concrete_function(iter(dataset)).graph
+    fetches = [op for op in graph.get_operations() if op.type == "IteratorGetNext"]
+    assert len(fetches) == 3
+    assert not fetches[0].control_inputs
+    for fetch in fetches[1:]:
+        waited = {op.type for op in fetch.control_inputs}
+        assert "StatefulPartitionedCall" in waited, (fetch.name, waited)
 
 
 CLIPPING = {
