@@ -186,6 +186,48 @@ class MicroStep:
         self.group_length = group_length
 
 
+def _replica_local(value, shape, dtype, name, aggregation):
+    # A TensorFlow variable: `keras.Variable` takes `synchronization`
+    # only from Keras 3.10 (and exposes its TensorFlow variable, whose
+    # in-place ops the engine needs, as `.value`).
+    return tf.Variable(
+        lambda: tf.fill(shape, tf.constant(value, dtype)),
+        trainable=False,
+        name=name,
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=aggregation,
+    )
+
+
+def _add_in_place(acc, grad):
+    if isinstance(grad, tf.IndexedSlices):
+        _scatter_add_in_place(acc, grad)
+    else:
+        # The TensorFlow variable's own assign_add adds in place
+        # (Keras's `Variable.assign_add` is `assign(self + value)`,
+        # which allocates a new sum every micro-step).
+        acc.assign_add(ops.cast(grad, "float32"))
+
+
+class _ClassLayout:
+    """Where each normaliser class's gradients are summed (plain Python, not tracked).
+
+    Attributes:
+        routing: Tuple, per variable, of the classes whose gradient reaches it.
+        slots: List, per variable, of ``(class, sum variable)``: the first
+            class's sum is the variable's entry of ``gradient_sums``, each
+            further class has one of ``class_gradient_sums``.
+    """
+
+    def __init__(self, routing, slots):
+        self.routing = routing
+        self.slots = slots
+        self.num_classes = 1 + max((c for cs in routing for c in cs), default=0)
+
+    def flat(self):
+        return [(i, c, acc) for i, entries in enumerate(self.slots) for c, acc in entries]
+
+
 def _sum_name(variable):
     path = getattr(variable, "path", None) or variable.name
     return path.replace("/", "_").replace(":", "_") + "_accumulator"
@@ -271,18 +313,10 @@ class GradientAccumulator(tf.Module):
 
         sum_ = tf.VariableAggregation.SUM
         first = tf.VariableAggregation.ONLY_FIRST_REPLICA
-
-        def local(value, shape, dtype, name, aggregation):
-            # A TensorFlow variable: `keras.Variable` takes `synchronization`
-            # only from Keras 3.10 (and exposes its TensorFlow variable, whose
-            # in-place ops the engine needs, as `.value`).
-            return tf.Variable(
-                lambda: tf.fill(shape, tf.constant(value, dtype)),
-                trainable=False,
-                name=name,
-                synchronization=tf.VariableSynchronization.ON_READ,
-                aggregation=aggregation,
-            )
+        local = _replica_local
+        # Normaliser classes (see `configure_classes`): None for one class,
+        # today's layout. Plain Python, not tracked.
+        self._classes = None
 
         with tf.name_scope(name):
             self.gradient_sums = [
@@ -298,13 +332,97 @@ class GradientAccumulator(tf.Module):
     @property
     def state_variables(self):
         """The variables a checkpoint must hold to resume inside a group."""
-        return [
+        state = [
             self.micro_step,
             self.weight_sum,
             self.group_reference,
             self.update_count,
             *self.gradient_sums,
         ]
+        if self._classes is not None:
+            # Appended: a one-class accumulator's state is unchanged.
+            state += [
+                *self.class_weight_sums,
+                *self.class_group_references,
+                *self.class_gradient_sums,
+            ]
+        return state
+
+    @property
+    def num_classes(self):
+        """Normaliser classes with a divisor of their own (1 unless configured)."""
+        return 1 if self._classes is None else self._classes.num_classes
+
+    def configure_classes(self, routing, variables):
+        """Gives every normaliser class its own divisor, and its own sums where needed.
+
+        A group's mean gradient is ``sum_c G_c / W_c``: class ``c``'s
+        gradients (its loss terms, each weighted by its normaliser's share)
+        are summed in ``G_c`` and its shares in ``W_c``. A variable that the
+        gradients of one class only reach (a head's) keeps its one sum in
+        ``gradient_sums``; one reached by several classes (the shared trunk)
+        gets one more sum per further class, in ``class_gradient_sums``.
+
+        Creates variables: call eagerly, under the strategy scope, never
+        inside a traced step. A routing of one class restores the one-class
+        layout (the extra variables are dropped).
+
+        Args:
+            routing: Sequence, per variable in the order of ``variables``, of
+                the ascending class indices whose gradient reaches it.
+            variables: The accumulator's trainable variables (checked).
+        """
+        if not self.matches(variables):
+            raise ValueError("configure_classes: not this accumulator's variables.")
+        routing = tuple(tuple(sorted(classes)) for classes in routing)
+        layout_classes = 1 + max((c for cs in routing for c in cs), default=0)
+        if self._classes is not None and self._classes.routing == routing:
+            return
+        if layout_classes < 2:
+            if self._classes is None:
+                return  # one class, and nothing to drop: today's layout
+            self._classes = None
+            self.class_weight_sums, self.class_group_references = [], []
+            self.class_gradient_sums = []
+            return
+        sum_ = tf.VariableAggregation.SUM
+        first = tf.VariableAggregation.ONLY_FIRST_REPLICA
+        with tf.name_scope(self.name):
+            weight_sums = [
+                _replica_local(0, (), "float32", f"weight_sum_class_{c}", sum_)
+                for c in range(1, layout_classes)
+            ]
+            references = [
+                _replica_local(1, (), "float32", f"group_reference_class_{c}", first)
+                for c in range(1, layout_classes)
+            ]
+            extra, slots = [], []
+            for variable, primary, classes in zip(variables, self.gradient_sums, routing):
+                entries = []
+                for k, c in enumerate(classes):
+                    if k == 0:
+                        entries.append((c, primary))
+                        continue
+                    name = _sum_name(variable).replace("_accumulator", f"_class_{c}_accumulator")
+                    acc = _replica_local(0, variable.shape, "float32", name, sum_)
+                    extra.append(acc)
+                    entries.append((c, acc))
+                slots.append(entries)
+        self.class_weight_sums = weight_sums
+        self.class_group_references = references
+        self.class_gradient_sums = extra
+        self._classes = _ClassLayout(routing, slots)
+        for attribute in ("_has_gradient", "_slot_has_gradient"):
+            if hasattr(self, attribute):
+                delattr(self, attribute)
+
+    def _weight_sums(self):
+        extra = self.class_weight_sums if self._classes is not None else []
+        return [self.weight_sum, *extra]
+
+    def _group_references(self):
+        extra = self.class_group_references if self._classes is not None else []
+        return [self.group_reference, *extra]
 
     def save_state(self, store):
         """Writes the state into a Keras weights ``store`` (keys ``accumulator_<i>``)."""
@@ -379,7 +497,7 @@ class GradientAccumulator(tf.Module):
             self.pending_weight.assign(-1.0)
         return weight
 
-    def share(self, normaliser, capacity, micro):
+    def share(self, normaliser, capacity, micro, normaliser_class=0):
         """The micro-batch weight ``w_i = N_i / (C_1 * K)`` (float32, no gradient).
 
         Args:
@@ -389,10 +507,13 @@ class GradientAccumulator(tf.Module):
                 micro-batch of this shape, the same on every replica whose
                 shard has the same shape (samples, padded tokens).
             micro: The :class:`MicroStep` from :meth:`start_micro_step`.
+            normaliser_class: Integer, the class (see
+                :meth:`configure_classes`) whose reference ``C_1 * K`` to use.
         """
         capacity = ops.cast(capacity, "float32")
-        reference = ops.where(micro.is_first, capacity * micro.group_length, self.group_reference)
-        self.group_reference.assign(reference)
+        stored = self._group_references()[normaliser_class]
+        reference = ops.where(micro.is_first, capacity * micro.group_length, stored)
+        stored.assign(reference)
         return tf.stop_gradient(ops.cast(normaliser, "float32") / reference)
 
     def current_accum_steps(self):
@@ -431,18 +552,56 @@ class GradientAccumulator(tf.Module):
         for acc, grad in zip(self.gradient_sums, grads):
             if grad is None:
                 continue
-            if isinstance(grad, tf.IndexedSlices):
-                _scatter_add_in_place(acc, grad)
-            else:
-                # The TensorFlow variable's own assign_add adds in place
-                # (Keras's `Variable.assign_add` is `assign(self + value)`,
-                # which allocates a new sum every micro-step).
-                acc.assign_add(ops.cast(grad, "float32"))
+            _add_in_place(acc, grad)
         self.weight_sum.assign_add(weight)
         self.micro_step.assign_add(1)
         # Trace-time structure, not state: which variables get a gradient at
         # all. Replayed by `apply_pending`, which has no gradients to look at.
         self._has_gradient = [grad is not None for grad in grads]
+        self.apply_if(is_update_step, optimizer, variables, statistics)
+
+    def step_classes(
+        self,
+        class_grads,
+        divisors,
+        is_update_step,
+        optimizer,
+        variables,
+        statistics=(),
+    ):
+        """:meth:`step` for an accumulator with several normaliser classes.
+
+        Args:
+            class_grads: Per class, the gradients (order of ``variables``) of
+                that class's weighted objective; ``None`` where it does not
+                reach (a variable outside the class's routing is ignored).
+            divisors: Per class, what this micro-step adds to its divisor.
+        """
+        layout = self._classes
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        weights = [ops.cast(d, "float32") / replicas for d in divisors]
+        flat = layout.flat()
+        grads = [class_grads[c][i] for i, c, _ in flat]
+        if self._reduce_every_micro_step:
+            present = [g for g in grads if g is not None]
+            dense = [tf.convert_to_tensor(g) for g in present]
+            reduced = tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, [*dense, *weights]
+            )
+            weights = reduced[len(dense) :]
+            reduced = iter(reduced[: len(dense)])
+            grads = [None if g is None else next(reduced) for g in grads]
+        for (_, _, acc), grad in zip(flat, grads):
+            if grad is not None:
+                _add_in_place(acc, grad)
+        for total, weight in zip(self._weight_sums(), weights):
+            total.assign_add(weight)
+        self.micro_step.assign_add(1)
+        self._slot_has_gradient = [grad is not None for grad in grads]
+        self._has_gradient = [
+            any(class_grads[c][i] is not None for c, _ in entries)
+            for i, entries in enumerate(layout.slots)
+        ]
         self.apply_if(is_update_step, optimizer, variables, statistics)
 
     def apply_pending(self, optimizer, variables, statistics=()):
@@ -469,26 +628,51 @@ class GradientAccumulator(tf.Module):
                 replica context (``AccumBatchNormalization`` merges its
                 replicas' pending statistics so).
         """
-        has_gradient = getattr(self, "_has_gradient", [True] * len(variables))
-        summed = [acc for acc, has in zip(self.gradient_sums, has_gradient) if has]
+        if self._classes is None:
+            has_gradient = getattr(self, "_has_gradient", [True] * len(variables))
+            summed = [acc for acc, has in zip(self.gradient_sums, has_gradient) if has]
+            present = None
+        else:
+            flat = self._classes.flat()
+            slot_has = getattr(self, "_slot_has_gradient", [True] * len(flat))
+            present = [(i, c) for (i, c, _), has in zip(flat, slot_has) if has]
+            summed = [acc for (_, _, acc), has in zip(flat, slot_has) if has]
+            has_gradient = [any(i == j for j, _ in present) for i in range(len(variables))]
+        weight_sums = self._weight_sums()
         statistics = list(statistics)
         local = self._reduce_every_micro_step  # sums already global
 
         def update(*reduced):
             if local:
                 sums = [ops.convert_to_tensor(acc) for acc in summed]
-                weight = ops.convert_to_tensor(self.weight_sum)
+                weights = [ops.convert_to_tensor(w) for w in weight_sums]
             else:
-                *sums, weight = reduced[: len(summed) + 1]
-                reduced = reduced[len(summed) + 1 :]
+                count = len(summed) + len(weight_sums)
+                sums = reduced[: len(summed)]
+                weights = reduced[len(summed) : count]
+                reduced = reduced[count:]
             for (_, apply_statistics), total in zip(statistics, reduced):
                 apply_statistics(total)
-            self._apply_mean(sums, weight, has_gradient, optimizer, variables)
+            if present is None:
+                self._apply_mean(sums, weights[0], has_gradient, optimizer, variables)
+            else:
+                self._apply_class_means(sums, weights, present, optimizer, variables)
 
-        values = [] if local else [*summed, self.weight_sum]
+        values = [] if local else [*summed, *weight_sums]
         values += [value for value, _ in statistics]
         with gradients_already_reduced(optimizer):
             sum_across_replicas_if(is_update_step, values, update)
+
+    def _apply_class_means(self, sums, weights, present, optimizer, variables):
+        """The update with classes: each variable's ``sum_c G_c / W_c`` to ``optimizer``."""
+        means = [None] * len(variables)
+        for (i, c), total in zip(present, sums):
+            term = total / weights[c]
+            means[i] = term if means[i] is None else means[i] + term
+        mean_grads = [
+            None if m is None else ops.cast(m, var.dtype) for var, m in zip(variables, means)
+        ]
+        self._apply_mean_grads(mean_grads, optimizer, variables)
 
     def _apply_mean(self, sums, weight, has_gradient, optimizer, variables):
         """The update (replica context): the mean gradient to ``optimizer``, then a reset."""
@@ -497,6 +681,9 @@ class GradientAccumulator(tf.Module):
             ops.cast(next(sums) / weight, var.dtype) if has else None
             for var, has in zip(variables, has_gradient)
         ]
+        self._apply_mean_grads(mean_grads, optimizer, variables)
+
+    def _apply_mean_grads(self, mean_grads, optimizer, variables):
         if self._gradient_transform is not None:
             mean_grads = self._gradient_transform(mean_grads, variables)
         optimizer.apply(mean_grads, variables)
@@ -521,7 +708,9 @@ class GradientAccumulator(tf.Module):
                 Elsewhere a non-finite gradient has already made the weights
                 non-finite, and the check would only cost time and memory.
         """
-        sums = self.gradient_sums
+        sums = list(self.gradient_sums)
+        if self._classes is not None:
+            sums += list(self.class_gradient_sums)
 
         def zero_in_place():
             for acc in sums:
@@ -536,5 +725,6 @@ class GradientAccumulator(tf.Module):
             tf.cond(ops.isfinite(total), zero_in_place, overwrite)
         else:
             zero_in_place()
-        self.weight_sum.assign(0.0)
+        for total in self._weight_sums():
+            total.assign(0.0)
         self.micro_step.assign(0)

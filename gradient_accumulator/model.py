@@ -27,7 +27,13 @@ from gradient_accumulator.validation import (
     check_bool,
     check_keyword_arguments,
 )
-from gradient_accumulator.weighting import weight_micro_batch, weight_only_loss_count
+from gradient_accumulator.weighting import (
+    class_data_objectives,
+    normaliser_partition,
+    weight_classes,
+    weight_micro_batch,
+    weight_only_loss_count,
+)
 
 # The wrapper's own constructor arguments, in signature order: the one list
 # that `get_config`, `wrapper_config` and `replace_batchnorm_layers` read.
@@ -236,6 +242,8 @@ class GradientAccumulateModel(keras.Model):
         )
         if self.built:
             self._ensure_accumulator()
+        # The losses may have changed: find their classes again at the next fit.
+        self._classes_discovered = False
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
@@ -277,11 +285,18 @@ class GradientAccumulateModel(keras.Model):
         with tf.control_dependencies(inputs):
             micro = accumulator.start_micro_step()
         is_update_step = micro.is_update_step
-        with update_step_scope(is_update_step), tf.GradientTape() as tape:
+        # Several normaliser classes (found by `_discover_normaliser_classes`
+        # before the first trace): one gradient per class, so a persistent
+        # tape. One class: exactly the one-gradient step.
+        plan = self._normaliser_classes if accumulator.num_classes > 1 else None
+        classes = None
+        with update_step_scope(is_update_step), tf.GradientTape(
+            persistent=plan is not None
+        ) as tape:
             y_pred = self(x, training=True)
             with recorded_loss_reductions() as reductions:
                 loss = compute_training_loss(self, x, y, y_pred, sample_weight)
-            weighting = weight_micro_batch(
+            arguments = (
                 loss,
                 reductions,
                 batch_size,
@@ -289,26 +304,36 @@ class GradientAccumulateModel(keras.Model):
                 weight_only_loss_count(self),
                 accumulator,
                 micro,
-                self.name,
             )
-            weighted_loss = self.optimizer.scale_loss(weighting.objective)
+            if plan is not None:
+                classes = weight_classes(*arguments, plan, tape, self.name)
+            if classes is None:
+                weighting = weight_micro_batch(*arguments, self.name)
+                objectives = [self.optimizer.scale_loss(weighting.objective)]
+                divisors = [weighting.divisor]
+                if plan is not None:  # the other classes' divisors stay
+                    divisors += [ops.zeros(())] * (plan.num_classes - 1)
+            else:
+                objectives = [self.optimizer.scale_loss(objective) for objective, _ in classes]
+                divisors = [divisor for _, divisor in classes]
         # `loss` is scaled by 1/replicas for the cross-replica sum; undo that.
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         loss_tracker(self).update_state(loss * replicas, sample_weight=batch_size)
-        grads = tape.gradient(weighted_loss, variables)
+        if plan is None:
+            grads = tape.gradient(objectives[0], variables)
+        else:
+            class_grads = self._class_gradients(tape, objectives, plan, variables)
+            del tape
         # Every state change waits for the batch (see above): the counters'
         # increments depend on nothing else, and TensorFlow may run them in a
         # step whose batch never arrives.
         with tf.control_dependencies(inputs):
             statistics = self._apply_statistics(is_update_step)
-            accumulator.step(
-                grads,
-                weighting.divisor,
-                is_update_step,
-                self.optimizer,
-                variables,
-                statistics,
-            )
+            step = (is_update_step, self.optimizer, variables, statistics)
+            if plan is None:
+                accumulator.step(grads, divisors[0], *step)
+            else:
+                accumulator.step_classes(class_grads, divisors, *step)
         compiled_metrics = getattr(self, "_compile_metrics", None)
         if keras_version() < (3, 5) and compiled_metrics is not None and not compiled_metrics.built:
             # Keras < 3.5 builds the compiled metrics in the first traced
@@ -319,6 +344,26 @@ class GradientAccumulateModel(keras.Model):
                 compiled_metrics.build(y, y_pred)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return logs_for_keras(logs, self.distribute_strategy)
+
+    @staticmethod
+    def _class_gradients(tape, objectives, plan, variables):
+        """Per normaliser class, the gradients of its objective (``None`` where it does not reach).
+
+        One objective (a trace whose classes are not the discovered ones: the
+        one-sum rule, ``weight_micro_batch`` warned) fills the first class;
+        the others stay empty. Otherwise each class's backward pass runs
+        only to the variables it reaches (``plan.routing``).
+        """
+        class_grads = [[None] * len(variables) for _ in range(plan.num_classes)]
+        if len(objectives) == 1:
+            class_grads[0] = tape.gradient(objectives[0], variables)
+            return class_grads
+        for c, objective in enumerate(objectives):
+            reached = [i for i, classes in enumerate(plan.routing) if c in classes]
+            partial = tape.gradient(objective, [variables[i] for i in reached])
+            for i, grad in zip(reached, partial):
+                class_grads[c][i] = grad
+        return class_grads
 
     def fit(self, *args, **kwargs):
         bound = inspect.signature(super().fit).bind(*args, **kwargs)
@@ -356,7 +401,83 @@ class GradientAccumulateModel(keras.Model):
                 )
                 break
             iterator = None
-        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+        if iterator is not None and data_batch is None and self._needs_class_discovery():
+            # No strategy: Keras builds in the first trace; the class
+            # discovery needs a batch now (fit resets the iterator after).
+            for *_, batches in iterator.enumerate_epoch():
+                data_batch = next(batches)
+                break
+            iterator = None
+        result = super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+        if data_batch is not None and self._needs_class_discovery():
+            self._discover_normaliser_classes(data_batch)
+        return result
+
+    def _needs_class_discovery(self):
+        return (
+            self.optimizer is not None
+            and self.accum_steps != 1
+            and not getattr(self, "_classes_discovered", False)
+        )
+
+    def _discover_normaliser_classes(self, data_batch):
+        """Finds the loss's normaliser classes and what each reaches, before the first trace.
+
+        A symbolic pass (a traced, never-run function on ``data_batch``'s
+        shapes): the forward pass and the loss, the classes of its recorded
+        reductions (:func:`~gradient_accumulator.weighting.normaliser_partition`)
+        and, with several, one gradient per class to see which variables it
+        reaches. The accumulator then creates the classes' state eagerly,
+        under the strategy scope, never inside a traced step (which
+        tf.distribute forbids). A model with one loss (one target, Keras's
+        ``compute_loss``) has one class: no pass at all.
+        """
+        self._classes_discovered = True
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data_batch)
+        overridden = type(self).compute_loss is not keras.Model.compute_loss
+        self._ensure_accumulator()
+        if len(tf.nest.flatten(y)) < 2 and not overridden:
+            self._use_normaliser_classes(None)
+            return
+        variables = self.trainable_variables
+        found = {}
+
+        def spec(t):
+            return None if t is None else tf.TensorSpec(t.shape, tf.as_dtype(t.dtype))
+
+        def probe(x, y, sample_weight):
+            batch_size = _batch_size(x)
+            with update_step_scope(tf.constant(False)), tf.GradientTape(persistent=True) as tape:
+                y_pred = self(x, training=True)
+                with recorded_loss_reductions() as reductions:
+                    loss = compute_training_loss(self, x, y, y_pred, sample_weight)
+                _, plan = normaliser_partition(reductions, batch_size)
+                if plan is None or plan.num_classes < 2:
+                    return loss
+                objectives = class_data_objectives(loss, reductions, self.losses, plan, tape)
+            reaches = [
+                [g is not None for g in tape.gradient(objective, variables)]
+                for objective in objectives
+            ]
+            plan.routing = tuple(
+                tuple(c for c in range(plan.num_classes) if reaches[c][i])
+                for i in range(len(variables))
+            )
+            found["plan"] = plan
+            return loss
+
+        args = tf.nest.map_structure(spec, (x, y, sample_weight))
+        with self.distribute_strategy.scope():
+            tf.function(probe).get_concrete_function(*args)
+        self._use_normaliser_classes(found.get("plan"))
+
+    def _use_normaliser_classes(self, plan):
+        """Configures the accumulator for ``plan``'s classes (``None``: one class)."""
+        variables = self.trainable_variables
+        routing = ((),) * len(variables) if plan is None else plan.routing
+        with self.distribute_strategy.scope():
+            self._accumulator.configure_classes(routing, variables)
+        self._normaliser_classes = plan
 
     def make_train_function(self, force=False):
         # Variables are created here, eagerly and under the strategy scope,
@@ -529,3 +650,4 @@ class GradientAccumulateModel(keras.Model):
         # tracking does not, so the sums are saved but are not model weights.
         self._accumulator = accumulator
         self._apply_pending_function = None
+        self._classes_discovered = False

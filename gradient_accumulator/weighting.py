@@ -207,3 +207,148 @@ def _weight_sum(loss, additional_losses, micro):
 def weight_only_loss_count(model):
     """How many of ``model.losses`` are weight regularizers (data-independent)."""
     return sum(1 for v in model.trainable_weights if getattr(v, "regularizer", None) is not None)
+
+
+# ----------------------------------------------------------------------------
+# Several normaliser classes (prototype)
+# ----------------------------------------------------------------------------
+
+
+def _kind(key):
+    return key if isinstance(key, str) else key[0]
+
+
+class ClassPlan:
+    """The normaliser classes of a model's loss, as found by a symbolic pass.
+
+    Stable across traces (keys of masks and weights are not: they name the
+    tensors of one trace), so a class is the set of positions of its loss
+    terms among the recorded Keras reductions.
+
+    Attributes:
+        partition: Tuple, per class, of ``(term positions, kind)`` in the
+            order of each class's first term.
+        extras_class: Integer, the class that carries the loss's terms that
+            are no recorded reduction (weight regularizers, ``add_loss``):
+            the per-sample class if there is one, else the first that is not
+            a sum.
+        routing: Tuple, per trainable variable, of the classes whose
+            gradient reaches it.
+    """
+
+    def __init__(self, partition, extras_class, routing=None):
+        self.partition = partition
+        self.extras_class = extras_class
+        self.routing = routing
+
+    @property
+    def num_classes(self):
+        return len(self.partition)
+
+
+def normaliser_partition(records, batch_size):
+    """``(terms, ClassPlan without routing)`` of one trace's recorded reductions.
+
+    ``None`` for the plan if a term is unreduced (no class can hold it).
+    """
+    terms = [loss_term(v, w, m, r, batch_size) for v, w, m, r, _ in records]
+    if None in terms:
+        return terms, None
+    keys, members = [], []
+    for position, term in enumerate(terms):
+        if term.key not in keys:
+            keys.append(term.key)
+            members.append([])
+        members[keys.index(term.key)].append(position)
+    partition = tuple((tuple(m), _kind(k)) for m, k in zip(members, keys))
+    kinds = [kind for _, kind in partition]
+    if SAMPLES in kinds:
+        extras = kinds.index(SAMPLES)
+    else:
+        extras = next((c for c, kind in enumerate(kinds) if kind != SUM), 0)
+    return terms, ClassPlan(partition, extras)
+
+
+def class_data_objectives(loss, records, additional_losses, plan, tape):
+    """Per class, the part of ``loss`` its terms contribute (unweighted), on ``tape``.
+
+    ``loss`` is linear in the recorded reductions ``r_j`` (Keras multiplies
+    each by its ``loss_weights`` entry, scales it for the replicas and sums
+    them, then adds the aggregated ``model.losses``); each coefficient
+    ``a_j = d loss / d r_j`` is read from ``tape`` (a scalar backward pass
+    through that sum only), so any ``compute_loss`` that combines Keras
+    losses linearly is split exactly. Class ``c``'s objective is
+    ``sum_{j in c} a_j r_j``, plus the additional losses for
+    ``plan.extras_class``.
+
+    Call inside the tape's context (the objectives must be recorded).
+    """
+    reduced = [record[4] for record in records]
+    with tape.stop_recording():
+        coefficients = tape.gradient(
+            loss, reduced, unconnected_gradients=tf.UnconnectedGradients.ZERO
+        )
+    objectives = []
+    for c, (positions, _) in enumerate(plan.partition):
+        parts = [
+            ops.cast(tf.stop_gradient(coefficients[j]), loss.dtype) * ops.cast(reduced[j], loss.dtype)
+            for j in positions
+        ]
+        if c == plan.extras_class and additional_losses:
+            replicas = tf.distribute.get_strategy().num_replicas_in_sync
+            extra = ops.sum(
+                ops.stack([ops.sum(ops.cast(term, "float32")) for term in additional_losses])
+            )
+            parts.append(ops.cast(extra / replicas, loss.dtype))
+        objectives.append(ops.sum(ops.stack(parts)) if len(parts) > 1 else parts[0])
+    return objectives
+
+
+def weight_classes(
+    loss,
+    records,
+    batch_size,
+    additional_losses,
+    weight_only_losses,
+    accumulator,
+    micro,
+    plan,
+    tape,
+    owner,
+):
+    """Per class: ``(objective, divisor)``, or ``None`` if this trace's classes are not ``plan``'s.
+
+    Class ``c``'s objective is its data terms (and, for one class, the
+    additional losses) times its share ``N_ci / (C_c1 * K)``, or times 1 for
+    a sum; its divisor is that share (a sum: 1 once per group). Same rules
+    as :func:`weight_micro_batch`, one class at a time.
+    """
+    terms, found = normaliser_partition(records, batch_size)
+    if found is None or found.partition != plan.partition:
+        return None
+    extras_kind = plan.partition[plan.extras_class][1]
+    if extras_kind != SAMPLES and len(additional_losses) > weight_only_losses:
+        warnings.warn(
+            f"Gradient accumulation in model '{owner}' is not exactly the big "
+            "batch: its activity regularizers or `add_loss` terms depend on the "
+            "data and no loss term is a mean over samples; they are weighted by "
+            f"the normaliser of its '{extras_kind}' class. See 'Which losses are "
+            "exact' in the documentation.",
+            stacklevel=4,
+        )
+    data = class_data_objectives(loss, records, additional_losses, plan, tape)
+    first = ops.cast(micro.is_first, "float32")
+    weighted = []
+    for c, ((positions, kind), objective) in enumerate(zip(plan.partition, data)):
+        if kind == SUM:
+            weighted.append((objective, first))
+            continue
+        if kind == SAMPLES:
+            size = ops.cast(batch_size, "float32")
+            normaliser, capacity = size, size
+        else:
+            term = terms[positions[0]]
+            normaliser, capacity = term.normaliser, term.capacity
+        weight = accumulator.share(normaliser, capacity, micro, normaliser_class=c)
+        weighted.append((objective * ops.cast(weight, objective.dtype), weight))
+    return weighted
