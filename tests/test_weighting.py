@@ -155,12 +155,12 @@ def test_masked_loss_with_regularizer_counts_it_once_per_update():
     assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
 
 
-def build_two_heads(cls=keras.Model, seed=0, pooled_head=False, **kwargs):
+def build_two_heads(cls=keras.Model, seed=0, pooled_head=False, regularizer=None, **kwargs):
     """The tagger with a second output: per token (same mask), or per sequence (no mask)."""
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((TAG_LENGTH,), dtype="int32")
     embedded = keras.layers.Embedding(30, 8, mask_zero=True)(inputs)
-    hidden = keras.layers.Dense(8, activation="tanh")(embedded)
+    hidden = keras.layers.Dense(8, activation="tanh", kernel_regularizer=regularizer)(embedded)
     tags = keras.layers.Dense(TAG_CLASSES, name="tags")(hidden)
     if pooled_head:
         second = keras.layers.Dense(1, name="second")(keras.layers.GlobalAveragePooling1D()(hidden))
@@ -184,13 +184,76 @@ def test_two_outputs_with_the_same_mask_equal_big_batch():
     assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
 
 
-def test_outputs_with_different_normalisers_warn():
-    x, tags, _ = make_padded_sequences()
+TWO_NORMALISERS = {"loss": [TAG_LOSS["loss"], "mse"], "loss_weights": [1.0, 0.3]}
+
+
+@pytest.mark.parametrize(
+    "num_samples, epochs, compile_kwargs, regularized",
+    [
+        (64, 2, {}, False),
+        (64, 1, {}, True),
+        (60, 1, {}, False),
+        (64, 1, {"jit_compile": True}, False),
+        (64, 1, {"run_eagerly": True}, False),
+    ],
+    ids=["graph", "kernel_regularizer", "last_group_shorter", "jit", "eager"],
+)
+def test_outputs_with_different_normalisers_equal_big_batch(
+    num_samples, epochs, compile_kwargs, regularized
+):
+    # A masked per-token head beside a per-sequence head: two normaliser
+    # classes (valid tokens, samples), each with its own sums and divisor.
+    x, tags, _ = make_padded_sequences(num_samples)
+    scores = np.random.default_rng(5).normal(size=(len(x), 1)).astype("float32")
+    regularizer = keras.regularizers.L2(0.05) if regularized else None
+    reference, accumulating = no_warnings(
+        lambda: train_pair(
+            lambda cls, **kw: build_two_heads(
+                cls, pooled_head=True, regularizer=regularizer, **kw
+            ),
+            sgd,
+            x,
+            [tags, scores],
+            epochs=epochs,
+            compile_kwargs={**TWO_NORMALISERS, **compile_kwargs},
+        )
+    )
+    assert accumulating._accumulator.num_classes == 2
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
+    assert int(reference.optimizer.iterations) == int(accumulating.optimizer.iterations)
+
+
+def test_normaliser_classes_get_sums_only_where_several_reach():
+    x, tags, _ = make_padded_sequences(32)
+    scores = np.zeros((len(x), 1), "float32")
+    model = build_two_heads(GradientAccumulateModel, pooled_head=True, accum_steps=4)
+    model.compile(optimizer=sgd(), **TWO_NORMALISERS)
+    model.fit(x, [tags, scores], batch_size=8, verbose=0)
+    accumulator = model._accumulator
+    # Embedding, trunk kernel and bias: both classes; each head: its own.
+    routing = [(0, 1), (0, 1), (0, 1), (0,), (0,), (1,), (1,)]
+    assert list(model._normaliser_classes.routing) == routing
+    shared = model.trainable_variables[:3]
+    assert [tuple(a.shape) for a in accumulator.class_gradient_sums] == [
+        tuple(v.shape) for v in shared
+    ]
+    state = accumulator.state_variables
+    assert len(state) == 4 + len(model.trainable_variables) + 2 + len(shared)
+    assert all(float(np.abs(a.numpy()).max()) == 0.0 for a in accumulator.class_gradient_sums)
+
+
+def test_outputs_with_different_normalisers_warn_without_discovery():
+    # The classes are found before the first trace by fit (and
+    # train_on_batch); a train function traced without either falls back
+    # to per-sample weights, with the warning.
+    x, tags, _ = make_padded_sequences(32)
     scores = np.random.default_rng(5).normal(size=(len(x), 1)).astype("float32")
     model = build_two_heads(GradientAccumulateModel, pooled_head=True, accum_steps=4)
-    model.compile(optimizer=sgd(), loss=[TAG_LOSS["loss"], "mse"], loss_weights=[1.0, 0.3])
+    model.compile(optimizer=sgd(), **TWO_NORMALISERS)
+    model.make_train_function()
+    batch = (x[:8], (tags[:8], scores[:8]))
     with pytest.warns(UserWarning, match="divide by different normalisers"):
-        model.fit(x, [tags, scores], batch_size=8, verbose=0)
+        model.train_function(iter([batch]))
 
 
 @pytest.mark.parametrize(
