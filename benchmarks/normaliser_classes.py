@@ -1,4 +1,4 @@
-"""Cost of exact accumulation for losses with two normaliser classes (prototype).
+"""Cost of exact accumulation for losses with two normaliser classes.
 
 A parameter-heavy two-head model: Embedding(5000, 256, mask_zero=True) ->
 Dense(1024, tanh) -> a per-token tag head (loss masked: divided by the valid
@@ -22,15 +22,24 @@ for *every* variable would cost instead. Time: median over alternating rounds
 of the per-round mean time of ``model.train_function`` calls (whole groups),
 as ``benchmarks/step_time.py`` (see ``benchmarks._common.step_times``).
 
-Run: ``python -m benchmarks.normaliser_classes`` (``--quick``: tiny sizes;
-``--jit``: XLA-compiled steps).
+Both in graph mode and with ``jit_compile=True``, in one run.
+
+Run: ``python -m benchmarks.normaliser_classes`` (``--quick``: tiny sizes).
 """
 
 import time
 
 import numpy as np
 
-from benchmarks._common import median, median_ratio, parser, ratio_quartiles, step_times
+from benchmarks._common import (
+    median,
+    median_ratio,
+    parser,
+    print_table,
+    ratio_quartiles,
+    save,
+    step_times,
+)
 
 ACCUM_STEPS = 4
 VOCABULARY = 5000
@@ -114,63 +123,135 @@ def accumulator_bytes(model):
     }
 
 
-def main():
-    p = parser(__doc__.splitlines()[0])
-    p.add_argument("--jit", action="store_true")
-    p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--groups", type=int, default=2)
-    p.add_argument("--micro-batch", type=int, default=16)
-    args = p.parse_args()
+def measure(mode, quick, rounds, groups, micro_batch):
+    """One mode's figures: memory of both accumulators and side-by-side step times."""
     import keras
 
     from gradient_accumulator import GradientAccumulateModel
 
-    quick = args.quick
-    rounds = 2 if quick else args.rounds
-    micro_batch = args.micro_batch
+    jit = mode == "jit"
     x, y = make_data(2 * ACCUM_STEPS * micro_batch, 200 if quick else VOCABULARY)
-    jit = args.jit
-
     models, discovery_s = {}, {}
     for name, one_class in (("two_classes", False), ("one_class", True)):
         model = build(GradientAccumulateModel, one_class, quick, jit, accum_steps=ACCUM_STEPS)
+        spec = (x[:micro_batch], tuple(t[:micro_batch] for t in y))
         start = time.perf_counter()
-        model._discover_normaliser_classes((x[:micro_batch], tuple(t[:micro_batch] for t in y)))
+        # What `fit` does before its first trace (a traced, never-run pass).
+        model._discover_normaliser_classes(keras.tree.map_structure(lambda t: tf_spec(t), spec))
         discovery_s[name] = time.perf_counter() - start
         models[name] = model
     models["plain"] = build(keras.Model, False, quick, jit)
     assert models["two_classes"]._accumulator.num_classes == 2
     assert models["one_class"]._accumulator.num_classes == 1
-
     memory = {name: accumulator_bytes(models[name]) for name in ("two_classes", "one_class")}
-    times = step_times(models, x, y, micro_batch, ACCUM_STEPS, rounds, args.groups)
-    wall = {name: 1e3 * median(t["wall"]) for name, t in times.items()}
-    cpu = {name: 1e3 * median(t["cpu"]) for name, t in times.items()}
-    two, one = times["two_classes"], times["one_class"]
-    print(f"mode: {'jit' if jit else 'graph'}; micro-batch {micro_batch} x {LENGTH} tokens; "
-          f"accum_steps {ACCUM_STEPS}; {rounds} rounds x {args.groups} groups")
-    for name in ("two_classes", "one_class"):
-        m = memory[name]
-        print(
-            f"{name}: accumulator state {m['one_class_state_bytes']} B + class extras "
-            f"{m['class_extra_bytes']} B (gradient sums {m['class_extra_gradient_sum_bytes']} B); "
-            f"a sum per class for every variable would add {m['a_sum_per_class_for_every_variable_bytes']} B; "
-            f"several sums: {m['variables_with_several_sums']}; discovery pass {discovery_s[name]:.2f} s"
-        )
-    for name in models:
-        by_position = ", ".join(f"{1e3 * v:.2f}" for v in times[name]["by_position"])
-        print(f"{name}: median {wall[name]:.2f} ms/micro-step wall, {cpu[name]:.2f} ms cpu; "
-              f"by position in group [{by_position}] ms")
+    times = step_times(models, x, y, micro_batch, ACCUM_STEPS, rounds, groups)
+    two, one, plain = times["two_classes"], times["one_class"], times["plain"]
     q1, q3 = ratio_quartiles(two["wall"], one["wall"])
+    return {
+        "mode": mode,
+        "memory": memory,
+        "discovery_s": discovery_s,
+        "ms_per_micro_step": {name: 1e3 * median(t["wall"]) for name, t in times.items()},
+        "two_over_one_class": median_ratio(two["wall"], one["wall"]),
+        "two_over_one_class_quartiles": [q1, q3],
+        "two_over_one_class_cpu": median_ratio(two["cpu"], one["cpu"]),
+        "accumulate_only_two_over_one": float(
+            np.median(two["by_position"][:-1]) / np.median(one["by_position"][:-1])
+        ),
+        "update_step_two_over_one": float(two["by_position"][-1] / one["by_position"][-1]),
+        "one_class_over_plain": median_ratio(one["wall"], plain["wall"]),
+        "two_classes_over_plain": median_ratio(two["wall"], plain["wall"]),
+    }
+
+
+def tf_spec(value):
+    import tensorflow as tf
+
+    return tf.TensorSpec(value.shape, tf.as_dtype(value.dtype))
+
+
+def main():
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--groups", type=int, default=2)
+    p.add_argument("--micro-batch", type=int, default=16)
+    args = p.parse_args()
+    quick = args.quick
+    rounds = 2 if quick else args.rounds
+    micro_batch = 4 if quick else args.micro_batch
+    records = [measure(mode, quick, rounds, args.groups, micro_batch) for mode in ("graph", "jit")]
+
+    memory = records[0]["memory"]
     print(
-        f"two_classes / one_class: wall {median_ratio(two['wall'], one['wall']):.3f} "
-        f"(quartiles {q1:.3f}-{q3:.3f}), cpu {median_ratio(two['cpu'], one['cpu']):.3f}; "
-        f"accumulate-only steps {np.median(two['by_position'][:-1]) / np.median(one['by_position'][:-1]):.3f}, "
-        f"update step {two['by_position'][-1] / one['by_position'][-1]:.3f}"
+        f"micro-batch {micro_batch} x {LENGTH} tokens; accum_steps {ACCUM_STEPS}; "
+        f"{rounds} alternating rounds x {args.groups} groups"
     )
-    print(
-        f"one_class / plain: wall {median_ratio(one['wall'], times['plain']['wall']):.3f}; "
-        f"two_classes / plain: wall {median_ratio(two['wall'], times['plain']['wall']):.3f}"
+    print_table(
+        "Accumulator state (bytes)",
+        ["model", "one-class state", "class extras", "of which sums", "a sum per class for all"],
+        [
+            [
+                name,
+                memory[name]["one_class_state_bytes"],
+                memory[name]["class_extra_bytes"],
+                memory[name]["class_extra_gradient_sum_bytes"],
+                memory[name]["a_sum_per_class_for_every_variable_bytes"],
+            ]
+            for name in ("two_classes", "one_class")
+        ],
+    )
+    print(f"variables with several sums: {memory['two_classes']['variables_with_several_sums']}")
+    print_table(
+        "Time per micro-step (median of rounds)",
+        [
+            "mode",
+            "plain ms",
+            "one class ms",
+            "two classes ms",
+            "two / one",
+            "accumulate-only",
+            "update step",
+            "two / plain",
+        ],
+        [
+            [
+                r["mode"],
+                f"{r['ms_per_micro_step']['plain']:.2f}",
+                f"{r['ms_per_micro_step']['one_class']:.2f}",
+                f"{r['ms_per_micro_step']['two_classes']:.2f}",
+                f"{r['two_over_one_class']:.3f}",
+                f"{r['accumulate_only_two_over_one']:.3f}",
+                f"{r['update_step_two_over_one']:.3f}",
+                f"{r['two_classes_over_plain']:.3f}",
+            ]
+            for r in records
+        ],
+    )
+
+    def plot(ax):
+        labels = [r["mode"] for r in records]
+        index = np.arange(len(records))
+        ax.bar(index - 0.2, [r["one_class_over_plain"] for r in records], 0.4, label="one class")
+        ax.bar(
+            index + 0.2, [r["two_classes_over_plain"] for r in records], 0.4, label="two classes"
+        )
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(index, labels)
+        ax.set_ylabel("time per micro-step / plain Keras")
+        ax.set_title(f"Two normaliser classes vs one (k={ACCUM_STEPS})")
+        ax.legend()
+
+    save(
+        args.out,
+        "normaliser_classes" + ("_quick" if quick else ""),
+        {
+            "accum_steps": ACCUM_STEPS,
+            "micro_batch": micro_batch,
+            "quick": quick,
+            "rounds": rounds,
+            "results": records,
+        },
+        plot,
     )
 
 

@@ -46,6 +46,9 @@ _context = threading.local()
 # The keys of the accumulation state in a Keras weights store (`.keras` and
 # `.weights.h5` files), beside the owner's own numbered variables.
 STATE_KEY_PREFIX = "accumulator_"
+# The store key of the normaliser classes' routing (see `configure_classes`),
+# saved beside the state so that a group can resume before `fit` finds them.
+CLASSES_KEY = STATE_KEY_PREFIX + "classes"
 
 
 def without_state(store):
@@ -425,23 +428,41 @@ class GradientAccumulator(tf.Module):
         return [self.group_reference, *extra]
 
     def save_state(self, store):
-        """Writes the state into a Keras weights ``store`` (keys ``accumulator_<i>``)."""
+        """Writes the state into a Keras weights ``store`` (keys ``accumulator_<i>``).
+
+        With normaliser classes, their routing too (key :data:`CLASSES_KEY`).
+        """
         for i, variable in enumerate(self.state_variables):
             store[f"{STATE_KEY_PREFIX}{i}"] = variable.numpy()
+        if self._classes is not None:
+            routing = self._classes.routing
+            width = max(len(classes) for classes in routing)
+            store[CLASSES_KEY] = np.array(
+                [list(classes) + [-1] * (width - len(classes)) for classes in routing], "int32"
+            )
 
-    def load_state(self, store, owner):
+    def load_state(self, store, owner, variables=None):
         """Restores the state from a Keras weights ``store`` written by :meth:`save_state`.
 
         Does nothing if ``store`` holds no state; warns, and starts a new
-        group, if it holds state for another set of variables.
+        group, if it holds state for another set of variables. A store with
+        normaliser classes configures them first (:meth:`configure_classes`,
+        which creates variables: call it eagerly, under the strategy scope).
 
         Args:
             store: The mapping Keras hands ``load_own_variables``.
             owner: String naming the model or optimizer, for the warning.
+            variables: The accumulator's trainable variables; needed only to
+                configure classes.
         """
-        saved = [key for key in store.keys() if key.startswith(STATE_KEY_PREFIX)]
+        saved = [
+            key for key in store.keys() if key.startswith(STATE_KEY_PREFIX) and key != CLASSES_KEY
+        ]
         if not saved:
             return
+        if CLASSES_KEY in store.keys() and variables is not None and self.matches(variables):
+            routing = [[c for c in row if c >= 0] for row in np.asarray(store[CLASSES_KEY])]
+            self.configure_classes(routing, variables)
         state = self.state_variables
         if len(saved) != len(state):
             warnings.warn(

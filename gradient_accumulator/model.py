@@ -69,6 +69,45 @@ _REMOVED_ARGUMENTS = {
 }
 
 
+def _spec(value):
+    """``tf.TensorSpec`` of a batch's tensor (``None`` stays ``None``)."""
+    if value is None:
+        return None
+    if isinstance(value, tf.TensorSpec):
+        return value
+    return tf.TensorSpec(value.shape, tf.as_dtype(value.dtype))
+
+
+def _fit_batch_spec(arguments):
+    """The spec ``(x, y, sample_weight)`` of a batch of ``fit``'s data, if it is knowable.
+
+    From arrays (and dicts or lists of them) and from a ``tf.data.Dataset``;
+    ``None`` for generators and ``keras.utils.PyDataset``.
+    """
+    x = arguments.get("x")
+    if isinstance(x, tf.data.Dataset):
+        element = x.element_spec
+        return element if isinstance(element, tuple) else (element,)
+
+    def array_spec(value):
+        if value is None:
+            return None
+        if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+            raise TypeError
+        dtype = tf.as_dtype(value.dtype)
+        if dtype == tf.float64:
+            dtype = tf.float32
+        return tf.TensorSpec((None, *value.shape[1:]), dtype)
+
+    try:
+        specs = [keras.tree.map_structure(array_spec, arguments.get(name)) for name in ("x", "y")]
+    except TypeError:
+        return None
+    if arguments.get("sample_weight") is not None or arguments.get("class_weight") is not None:
+        specs.append(tf.TensorSpec((None,), tf.float32))
+    return tuple(specs)
+
+
 def _batch_size(x):
     first = next(t for t in keras.tree.flatten(x) if t is not None)
     return ops.shape(first)[0]
@@ -290,9 +329,10 @@ class GradientAccumulateModel(keras.Model):
         # tape. One class: exactly the one-gradient step.
         plan = self._normaliser_classes if accumulator.num_classes > 1 else None
         classes = None
-        with update_step_scope(is_update_step), tf.GradientTape(
-            persistent=plan is not None
-        ) as tape:
+        with (
+            update_step_scope(is_update_step),
+            tf.GradientTape(persistent=plan is not None) as tape,
+        ):
             y_pred = self(x, training=True)
             with recorded_loss_reductions() as reductions:
                 loss = compute_training_loss(self, x, y, y_pred, sample_weight)
@@ -306,7 +346,7 @@ class GradientAccumulateModel(keras.Model):
                 micro,
             )
             if plan is not None:
-                classes = weight_classes(*arguments, plan, tape, self.name)
+                classes = weight_classes(*arguments, plan, tape)
             if classes is None:
                 weighting = weight_micro_batch(*arguments, self.name)
                 objectives = [self.optimizer.scale_loss(weighting.objective)]
@@ -367,14 +407,18 @@ class GradientAccumulateModel(keras.Model):
 
     def fit(self, *args, **kwargs):
         bound = inspect.signature(super().fit).bind(*args, **kwargs)
+        if keras_version() < (3, 5) and self._needs_class_discovery():
+            # Keras < 3.5 has no build hook with a batch before the first
+            # trace (`_maybe_symbolic_build`): the batch's spec comes from
+            # fit's own arguments (arrays or a tf.data.Dataset).
+            spec = _fit_batch_spec(bound.arguments)
+            if spec is not None:
+                self._discover_normaliser_classes(spec)
         callbacks = bound.arguments.get("callbacks")
         boundary = _EpochBoundary(self)
         # First, so that callbacks that save see the averaged statistics.
         first = []
-        if (
-            self.average_batchnorm_statistics
-            and self.distribute_strategy.num_replicas_in_sync > 1
-        ):
+        if self.average_batchnorm_statistics and self.distribute_strategy.num_replicas_in_sync > 1:
             first.append(AverageBatchNormStatistics())
             first[0].set_model(self)
         if isinstance(callbacks, keras.callbacks.CallbackList):
@@ -410,7 +454,7 @@ class GradientAccumulateModel(keras.Model):
             iterator = None
         result = super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
         if data_batch is not None and self._needs_class_discovery():
-            self._discover_normaliser_classes(data_batch)
+            self._discover_normaliser_classes(tf.nest.map_structure(_spec, data_batch))
         return result
 
     def _needs_class_discovery(self):
@@ -420,11 +464,12 @@ class GradientAccumulateModel(keras.Model):
             and not getattr(self, "_classes_discovered", False)
         )
 
-    def _discover_normaliser_classes(self, data_batch):
+    def _discover_normaliser_classes(self, batch_spec):
         """Finds the loss's normaliser classes and what each reaches, before the first trace.
 
-        A symbolic pass (a traced, never-run function on ``data_batch``'s
-        shapes): the forward pass and the loss, the classes of its recorded
+        A symbolic pass (a traced, never-run function on ``batch_spec``, the
+        ``tf.TensorSpec`` structure of a batch ``(x, y, sample_weight)``):
+        the forward pass and the loss, the classes of its recorded
         reductions (:func:`~gradient_accumulator.weighting.normaliser_partition`)
         and, with several, one gradient per class to see which variables it
         reaches. The accumulator then creates the classes' state eagerly,
@@ -433,17 +478,14 @@ class GradientAccumulateModel(keras.Model):
         ``compute_loss``) has one class: no pass at all.
         """
         self._classes_discovered = True
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data_batch)
-        overridden = type(self).compute_loss is not keras.Model.compute_loss
+        _, y, _ = keras.utils.unpack_x_y_sample_weight(batch_spec)
         self._ensure_accumulator()
-        if len(tf.nest.flatten(y)) < 2 and not overridden:
+        if len(tf.nest.flatten(y)) < 2 and not self._may_add_losses():
+            # One loss and no data-dependent additional one: one class.
             self._use_normaliser_classes(None)
             return
         variables = self.trainable_variables
         found = {}
-
-        def spec(t):
-            return None if t is None else tf.TensorSpec(t.shape, tf.as_dtype(t.dtype))
 
         def probe(x, y, sample_weight):
             batch_size = _batch_size(x)
@@ -451,7 +493,8 @@ class GradientAccumulateModel(keras.Model):
                 y_pred = self(x, training=True)
                 with recorded_loss_reductions() as reductions:
                     loss = compute_training_loss(self, x, y, y_pred, sample_weight)
-                _, plan = normaliser_partition(reductions, batch_size)
+                data_extras = len(self.losses) > weight_only_loss_count(self)
+                _, plan = normaliser_partition(reductions, batch_size, data_extras)
                 if plan is None or plan.num_classes < 2:
                     return loss
                 objectives = class_data_objectives(loss, reductions, self.losses, plan, tape)
@@ -466,10 +509,34 @@ class GradientAccumulateModel(keras.Model):
             found["plan"] = plan
             return loss
 
-        args = tf.nest.map_structure(spec, (x, y, sample_weight))
-        with self.distribute_strategy.scope():
-            tf.function(probe).get_concrete_function(*args)
+        strategy = self.distribute_strategy
+
+        def traced(*args):
+            # In replica context, as the train step runs (a distributed
+            # variable has no handle outside it).
+            return strategy.run(probe, args=args)
+
+        with strategy.scope():
+            tf.function(traced).get_concrete_function(
+                *keras.utils.unpack_x_y_sample_weight(batch_spec)
+            )
         self._use_normaliser_classes(found.get("plan"))
+
+    def _may_add_losses(self):
+        """Whether the loss may hold more than one compiled loss's terms.
+
+        An overridden ``compute_loss``, an activity regularizer, or a layer
+        from outside Keras and this package (whose ``call`` may ``add_loss``).
+        """
+        if type(self).compute_loss is not keras.Model.compute_loss:
+            return True
+        for layer in sublayers(self):
+            if getattr(layer, "activity_regularizer", None) is not None:
+                return True
+            module = type(layer).__module__
+            if not module.startswith(("keras.", "gradient_accumulator.")):
+                return True
+        return False
 
     def _use_normaliser_classes(self, plan):
         """Configures the accumulator for ``plan``'s classes (``None``: one class)."""
@@ -547,7 +614,10 @@ class GradientAccumulateModel(keras.Model):
     def load_own_variables(self, store):
         super().load_own_variables(without_state(store))
         self._ensure_accumulator()
-        self._accumulator.load_state(store, f"model '{self.name}'")
+        with self.distribute_strategy.scope():
+            self._accumulator.load_state(
+                store, f"model '{self.name}'", variables=self.trainable_variables
+            )
 
     def _clip_adaptively(self, grads, variables):
         return adaptive_clip_gradients(grads, variables, self.clip_factor, self.eps)
@@ -557,11 +627,7 @@ class GradientAccumulateModel(keras.Model):
 
         At any depth, nested models included.
         """
-        return [
-            layer
-            for layer in sublayers(self)
-            if hasattr(layer, "apply_pending_statistics")
-        ]
+        return [layer for layer in sublayers(self) if hasattr(layer, "apply_pending_statistics")]
 
     def _check_strategy(self):
         """Refuses a model created outside the strategy scope it is used in.

@@ -187,12 +187,7 @@ def _weight_sum(loss, additional_losses, micro):
     """
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
     first = ops.cast(micro.is_first, "float32")
-    if keras_version() < (3, 8) and replicas > 1:
-        # Keras < 3.8 does not divide by the replicas; `compute_training_loss`
-        # divided the whole loss, which a sum (summed over replicas) must undo.
-        scale = float(replicas)
-    else:
-        scale = 1.0
+    scale = _sum_scale()
     if additional_losses:
         extra = ops.sum(
             ops.stack([ops.sum(ops.cast(term, "float32")) for term in additional_losses])
@@ -202,6 +197,16 @@ def _weight_sum(loss, additional_losses, micro):
     else:
         objective = scale * loss
     return MicroBatchWeighting(objective, first)
+
+
+def _sum_scale():
+    """What a summed loss is multiplied by to be the replica's own sum.
+
+    Keras < 3.8 does not divide by the replicas; `compute_training_loss`
+    divided the whole loss, which a sum (summed over replicas) must undo.
+    """
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    return float(replicas) if keras_version() < (3, 8) and replicas > 1 else 1.0
 
 
 def weight_only_loss_count(model):
@@ -246,10 +251,14 @@ class ClassPlan:
         return len(self.partition)
 
 
-def normaliser_partition(records, batch_size):
+def normaliser_partition(records, batch_size, data_extras=False):
     """``(terms, ClassPlan without routing)`` of one trace's recorded reductions.
 
     ``None`` for the plan if a term is unreduced (no class can hold it).
+    ``data_extras``: the model has data-dependent additional losses
+    (activity regularizers, ``add_loss``), whose normaliser the wrapper cannot
+    see; they are weighted by samples, so they join the per-sample class, a
+    class of their own if no loss term is per-sample.
     """
     terms = [loss_term(v, w, m, r, batch_size) for v, w, m, r, _ in records]
     if None in terms:
@@ -262,6 +271,9 @@ def normaliser_partition(records, batch_size):
         members[keys.index(term.key)].append(position)
     partition = tuple((tuple(m), _kind(k)) for m, k in zip(members, keys))
     kinds = [kind for _, kind in partition]
+    if data_extras and SAMPLES not in kinds:
+        partition += (((), SAMPLES),)
+        kinds.append(SAMPLES)
     if SAMPLES in kinds:
         extras = kinds.index(SAMPLES)
     else:
@@ -291,7 +303,8 @@ def class_data_objectives(loss, records, additional_losses, plan, tape):
     objectives = []
     for c, (positions, _) in enumerate(plan.partition):
         parts = [
-            ops.cast(tf.stop_gradient(coefficients[j]), loss.dtype) * ops.cast(reduced[j], loss.dtype)
+            ops.cast(tf.stop_gradient(coefficients[j]), loss.dtype)
+            * ops.cast(reduced[j], loss.dtype)
             for j in positions
         ]
         if c == plan.extras_class and additional_losses:
@@ -314,7 +327,6 @@ def weight_classes(
     micro,
     plan,
     tape,
-    owner,
 ):
     """Per class: ``(objective, divisor)``, or ``None`` if this trace's classes are not ``plan``'s.
 
@@ -323,25 +335,18 @@ def weight_classes(
     a sum; its divisor is that share (a sum: 1 once per group). Same rules
     as :func:`weight_micro_batch`, one class at a time.
     """
-    terms, found = normaliser_partition(records, batch_size)
+    data_extras = len(additional_losses) > weight_only_losses
+    terms, found = normaliser_partition(records, batch_size, data_extras)
     if found is None or found.partition != plan.partition:
         return None
-    extras_kind = plan.partition[plan.extras_class][1]
-    if extras_kind != SAMPLES and len(additional_losses) > weight_only_losses:
-        warnings.warn(
-            f"Gradient accumulation in model '{owner}' is not exactly the big "
-            "batch: its activity regularizers or `add_loss` terms depend on the "
-            "data and no loss term is a mean over samples; they are weighted by "
-            f"the normaliser of its '{extras_kind}' class. See 'Which losses are "
-            "exact' in the documentation.",
-            stacklevel=4,
-        )
     data = class_data_objectives(loss, records, additional_losses, plan, tape)
     first = ops.cast(micro.is_first, "float32")
     weighted = []
     for c, ((positions, kind), objective) in enumerate(zip(plan.partition, data)):
         if kind == SUM:
-            weighted.append((objective, first))
+            # As `_weight_sum`: Keras < 3.8 does not divide a sum by the
+            # replicas, which `compute_training_loss` did.
+            weighted.append((objective * _sum_scale(), first))
             continue
         if kind == SAMPLES:
             size = ops.cast(batch_size, "float32")

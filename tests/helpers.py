@@ -219,6 +219,26 @@ def build_tagger(cls=keras.Model, seed=0, regularizer=None, **kwargs):
     return cls(inputs=inputs, outputs=outputs, **kwargs)
 
 
+def build_two_heads(cls=keras.Model, seed=0, pooled_head=False, regularizer=None, **kwargs):
+    """The tagger with a second output: per token (same mask), or per sequence (no mask).
+
+    With ``pooled_head``, the second head's loss (one value per sequence) has
+    another normaliser than the masked per-token head's (valid tokens).
+    """
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((TAG_LENGTH,), dtype="int32", name="tokens")
+    embedded = keras.layers.Embedding(TAG_VOCABULARY, 8, mask_zero=True, name="embedding")(inputs)
+    hidden = keras.layers.Dense(
+        8, activation="tanh", kernel_regularizer=regularizer, name="hidden"
+    )(embedded)
+    tags = keras.layers.Dense(TAG_CLASSES, name="tags")(hidden)
+    if pooled_head:
+        second = keras.layers.Dense(1, name="second")(keras.layers.GlobalAveragePooling1D()(hidden))
+    else:
+        second = keras.layers.Dense(1, name="second")(hidden)
+    return cls(inputs=inputs, outputs=[tags, second], **kwargs)
+
+
 def train_big_batches(build, make_optimizer, x, y, batch_size, epochs=1, densify=False, clip=None):
     """A plain-Keras reference trained step by step: one update per batch of ``batch_size``.
 

@@ -55,6 +55,8 @@ MODEL_CASES = {
     # Padded sequences; the replicas hold different token counts.
     "masked_tokens": ("losses", 6, FLOAT32_ATOL),
     "summed_tokens": ("losses", 6, FLOAT32_ATOL),
+    # A masked per-token head beside a per-sequence head: two classes.
+    "two_normalisers": ("losses", 6, FLOAT32_ATOL),
     "sparse_sgd": ("sparse_mixed", 6, FLOAT32_ATOL),
     "sparse_adam": ("sparse_mixed", 6, FLOAT32_ATOL),
     # 64 samples; each epoch's first group overflows and is skipped.
@@ -107,6 +109,8 @@ def test_mirrored_two_replicas_equals_one_device_big_batch(mirrored_model, case)
         pytest.skip(f"plain Keras fails alike under MirroredStrategy: {result['keras_error']}")
     assert result["updates"] == result["reference_updates"] == updates, result
     assert result["moved"] > MOVED, result
+    if "classes" in result:  # Each normaliser class summed on its own.
+        assert result["classes"] == 2, result
     if "unclipped_gap" in result:  # Clipping must bite.
         assert result["unclipped_gap"] > MOVED, result
     assert result["state_diff"] < atol, result
@@ -225,6 +229,16 @@ def test_multi_worker_equals_one_device_big_batch(multi_worker_results, wrapper,
 
 
 @pytest.mark.slow
+def test_multi_worker_two_normaliser_classes_equal_one_device_big_batch(multi_worker_results):
+    for worker in multi_worker_results:
+        result = worker["results"]["fit_two_normalisers"]
+        assert result["classes"] == 2, result
+        assert result["updates"] == 4, result
+        assert result["moved"] > MOVED, result
+        assert_diff_below(result["diff"], FLOAT32_ATOL, result)
+
+
+@pytest.mark.slow
 def test_multi_worker_resumes_with_backup_and_restore(tmp_path):
     # Both workers stop in the middle of an accumulation group in epoch 2;
     # restarted with BackupAndRestore they end where an uninterrupted run
@@ -307,9 +321,7 @@ def test_merged_statistics_equal_numpy_on_the_global_batch(batchnorm_replicas, c
 def test_checkpoint_and_validation_see_the_merged_statistics(batchnorm_replicas):
     shards = batchnorm_replicas["shards"]
     checkpoint = shards["checkpoint"]
-    _assert_every_copy_is(
-        {name: [checkpoint[name]] for name in checkpoint}, shards["expected"]
-    )
+    _assert_every_copy_is({name: [checkpoint[name]] for name in checkpoint}, shards["expected"])
     # Validation during fit: the loss of one device holding the global statistics.
     if not shards["keras_validation_is_right"]:
         pytest.skip(f"Keras {keras.__version__} reports val_loss wrongly under MirroredStrategy")

@@ -5,6 +5,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from gradient_accumulator import GradientAccumulateModel
 from gradient_accumulator._compat import recorded_loss_reductions
@@ -18,6 +19,7 @@ from tests.helpers import (
     assert_close,
     build_dense,
     build_tagger,
+    build_two_heads,
     make_padded_sequences,
     make_regression_data,
     train_pair,
@@ -155,20 +157,6 @@ def test_masked_loss_with_regularizer_counts_it_once_per_update():
     assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
 
 
-def build_two_heads(cls=keras.Model, seed=0, pooled_head=False, regularizer=None, **kwargs):
-    """The tagger with a second output: per token (same mask), or per sequence (no mask)."""
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((TAG_LENGTH,), dtype="int32")
-    embedded = keras.layers.Embedding(30, 8, mask_zero=True)(inputs)
-    hidden = keras.layers.Dense(8, activation="tanh", kernel_regularizer=regularizer)(embedded)
-    tags = keras.layers.Dense(TAG_CLASSES, name="tags")(hidden)
-    if pooled_head:
-        second = keras.layers.Dense(1, name="second")(keras.layers.GlobalAveragePooling1D()(hidden))
-    else:
-        second = keras.layers.Dense(1, name="second")(hidden)
-    return cls(inputs=inputs, outputs=[tags, second], **kwargs)
-
-
 def test_two_outputs_with_the_same_mask_equal_big_batch():
     x, tags, _ = make_padded_sequences()
     scores = np.random.default_rng(5).normal(size=(len(x), TAG_LENGTH, 1)).astype("float32")
@@ -208,9 +196,7 @@ def test_outputs_with_different_normalisers_equal_big_batch(
     regularizer = keras.regularizers.L2(0.05) if regularized else None
     reference, accumulating = no_warnings(
         lambda: train_pair(
-            lambda cls, **kw: build_two_heads(
-                cls, pooled_head=True, regularizer=regularizer, **kw
-            ),
+            lambda cls, **kw: build_two_heads(cls, pooled_head=True, regularizer=regularizer, **kw),
             sgd,
             x,
             [tags, scores],
@@ -220,7 +206,9 @@ def test_outputs_with_different_normalisers_equal_big_batch(
     )
     assert accumulating._accumulator.num_classes == 2
     assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
-    assert int(reference.optimizer.iterations) == int(accumulating.optimizer.iterations)
+    assert int(reference.optimizer.iterations.numpy()) == int(
+        accumulating.optimizer.iterations.numpy()
+    )
 
 
 def test_normaliser_classes_get_sums_only_where_several_reach():
@@ -240,6 +228,140 @@ def test_normaliser_classes_get_sums_only_where_several_reach():
     state = accumulator.state_variables
     assert len(state) == 4 + len(model.trainable_variables) + 2 + len(shared)
     assert all(float(np.abs(a.numpy()).max()) == 0.0 for a in accumulator.class_gradient_sums)
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class MeanActivityPenalty(keras.layers.Layer):
+    """Adds ``rate * mean(x ** 2)`` over the whole batch (a mean over samples) as a loss."""
+
+    def __init__(self, rate=0.05, **kwargs):
+        super().__init__(**kwargs)
+        self.rate = rate
+        self.supports_masking = True
+
+    def call(self, inputs):
+        self.add_loss(self.rate * keras.ops.mean(keras.ops.square(inputs)))
+        return inputs
+
+    def get_config(self):
+        return {**super().get_config(), "rate": self.rate}
+
+
+def build_penalized_tagger(cls=keras.Model, seed=0, activity_regularizer=False, **kwargs):
+    """The tagger with a data-dependent additional loss on its hidden features."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((TAG_LENGTH,), dtype="int32")
+    embedded = keras.layers.Embedding(30, 8, mask_zero=True)(inputs)
+    hidden = keras.layers.Dense(
+        8,
+        activation="tanh",
+        activity_regularizer=keras.regularizers.L2(0.01) if activity_regularizer else None,
+    )(embedded)
+    if not activity_regularizer:
+        hidden = MeanActivityPenalty()(hidden)
+    tags = keras.layers.Dense(TAG_CLASSES, name="tags")(hidden)
+    return cls(inputs=inputs, outputs=tags, **kwargs)
+
+
+PENALTIES = {
+    "add_loss_masked": (False, "sum_over_batch_size"),
+    "add_loss_summed": (False, "sum"),
+    # Keras divides an activity regularizer by the batch size from 3.14 on.
+    "activity_regularizer_masked": (True, "sum_over_batch_size"),
+}
+
+
+@pytest.mark.parametrize("case", list(PENALTIES))
+def test_data_dependent_additional_loss_beside_a_token_loss_equals_big_batch(case):
+    # The additional loss is a mean over samples, the compiled one is not:
+    # two classes, the additional loss weighted by samples.
+    activity, reduction = PENALTIES[case]
+    if activity and KERAS_VERSION < (3, 14):
+        pytest.skip("Keras < 3.14 sums an activity regularizer over the batch")
+    x, tags, _ = make_padded_sequences(64)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+    rate = 0.5 if reduction != "sum" else 0.005
+    reference, accumulating = no_warnings(
+        lambda: train_pair(
+            lambda cls, **kw: build_penalized_tagger(cls, activity_regularizer=activity, **kw),
+            lambda: keras.optimizers.SGD(rate),
+            x,
+            tags,
+            epochs=2,
+            compile_kwargs={"loss": loss},
+        )
+    )
+    assert accumulating._accumulator.num_classes == 2
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "save_weights", "keras_file"])
+def test_normaliser_classes_resume_in_the_middle_of_a_group(tmp_path, how):
+    # The class sums and divisors are state: saved, restored (configured
+    # from the saved routing before `fit` finds the classes), resumed.
+    x, tags, _ = make_padded_sequences(64)
+    scores = np.random.default_rng(5).normal(size=(len(x), 1)).astype("float32")
+    y = [tags, scores]
+
+    def build(seed=0):
+        model = build_two_heads(GradientAccumulateModel, seed=seed, pooled_head=True, accum_steps=4)
+        model.compile(optimizer=sgd(), **TWO_NORMALISERS)
+        return model
+
+    uninterrupted = build()
+    uninterrupted.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 5:  # 6 micro-batches seen: one update, 2 pending
+                raise KeyboardInterrupt
+
+    first = build()
+    with pytest.raises(KeyboardInterrupt):
+        first.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[Interrupt()])
+    assert int(first._accumulator.micro_step.numpy()) == 2
+    assert max(float(np.abs(a.numpy()).max()) for a in first._accumulator.class_gradient_sums) > 0
+    if how == "checkpoint":
+        path = tf.train.Checkpoint(model=first).save(str(tmp_path / "ckpt"))
+        resumed = build(seed=7)
+        tf.train.Checkpoint(model=resumed).restore(path)
+    elif how == "save_weights":
+        path = str(tmp_path / "model.weights.h5")
+        first.save_weights(path)
+        resumed = build(seed=7)
+        resumed.load_weights(path)
+    else:
+        path = str(tmp_path / "model.keras")
+        first.save(path)
+        resumed = keras.saving.load_model(path)
+    resumed.fit(x[48:], [tags[48:], scores[48:]], batch_size=8, shuffle=False, verbose=0)
+    assert int(resumed._accumulator.micro_step.numpy()) == 0
+    assert_close(uninterrupted.get_weights(), resumed.get_weights(), FLOAT32_ATOL)
+
+
+def test_train_on_batch_finds_the_normaliser_classes():
+    # Keras >= 3.5 hands train_on_batch's batch to the build hook before the
+    # first trace; Keras 3.3 and 3.4 do not: there it warns.
+    x, tags, _ = make_padded_sequences(64)
+    scores = np.random.default_rng(5).normal(size=(len(x), 1)).astype("float32")
+    reference = build_two_heads(pooled_head=True)
+    reference.compile(optimizer=sgd(), **TWO_NORMALISERS)
+    reference.fit(x, [tags, scores], batch_size=32, shuffle=False, verbose=0)
+    model = build_two_heads(GradientAccumulateModel, pooled_head=True, accum_steps=4)
+    model.compile(optimizer=sgd(), **TWO_NORMALISERS)
+
+    def train():
+        for start in range(0, len(x), 8):
+            part = slice(start, start + 8)
+            model.train_on_batch(x[part], [tags[part], scores[part]])
+
+    if KERAS_VERSION < (3, 5):
+        with pytest.warns(UserWarning, match="divide by different normalisers"):
+            train()
+        return
+    no_warnings(train)
+    assert model._accumulator.num_classes == 2
+    assert_close(reference.get_weights(), model.get_weights(), FLOAT32_ATOL)
 
 
 def test_outputs_with_different_normalisers_warn_without_discovery():

@@ -35,6 +35,7 @@ from tests.helpers import (
     build_embedding,
     build_multi_io,
     build_tagger,
+    build_two_heads,
     make_classification_data,
     make_multi_io_data,
     make_padded_sequences,
@@ -208,6 +209,28 @@ def token_case(reduction):
         return compare(reference, model, build_tagger)
 
     return case
+
+
+def two_normalisers(strategy, workdir):
+    """Two heads whose losses divide by different normalisers: a masked
+    per-token head (valid tokens; replica 0's sequences hold 1-3 tokens and
+    replica 1's 8-12) and a per-sequence head on pooled features (samples),
+    with ``loss_weights``. ``classes``: the model's normaliser classes (2)."""
+    x, tags, _ = make_padded_sequences(76, shard_size=MICRO_BATCH)
+    scores = np.random.default_rng(5).normal(size=(len(x), 1)).astype("float32")
+
+    def build(cls=keras.Model, **kwargs):
+        return build_two_heads(cls, pooled_head=True, **kwargs)
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference, model = fit_pair(
+        strategy,
+        lambda: keras.optimizers.SGD(0.5),
+        (x, [tags, scores]),
+        build=build,
+        compile_kwargs={"loss": [loss, "mse"], "loss_weights": [1.0, 0.3]},
+    )
+    return {**compare(reference, model, build), "classes": model._accumulator.num_classes}
 
 
 def last_group_case(num_samples):
@@ -499,6 +522,7 @@ CASES = {
     "loss_scale": loss_scale,
     "masked_tokens": token_case("sum_over_batch_size"),
     "summed_tokens": token_case("sum"),
+    "two_normalisers": two_normalisers,
     "sparse_mixed_float16": sparse_mixed_float16,
     "batchnorm": batchnorm,
     "resume_checkpoint": resume_case("checkpoint"),

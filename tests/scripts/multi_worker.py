@@ -26,12 +26,15 @@ reference's distance from the initial weights).
 """
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOptimizer
 from tests.helpers import (
     build_dense,
     build_embedding,
+    build_two_heads,
+    make_padded_sequences,
     make_regression_data,
     make_token_data,
     max_abs_diff,
@@ -142,12 +145,39 @@ def loop_run(strategy, case):
     return figures(reference, model, optimizer, build)
 
 
+def fit_two_normalisers(strategy):
+    """Two heads whose losses divide by different normalisers (valid tokens,
+    samples); worker 0's sequences hold 1-3 tokens, worker 1's 8-12."""
+    x, tags, _ = make_padded_sequences(64, shard_size=8)
+    scores = np.random.default_rng(5).normal(size=(len(x), 1)).astype("float32")
+
+    def build(cls=keras.Model, **kwargs):
+        return build_two_heads(cls, pooled_head=True, **kwargs)
+
+    compile_kwargs = {
+        "loss": [keras.losses.SparseCategoricalCrossentropy(from_logits=True), "mse"],
+        "loss_weights": [1.0, 0.3],
+    }
+    reference = build()
+    reference.compile(keras.optimizers.SGD(0.5), **compile_kwargs)
+    reference.fit(x, [tags, scores], batch_size=BIG_BATCH, epochs=2, shuffle=False, verbose=0)
+    with strategy.scope():
+        model = build(GradientAccumulateModel, accum_steps=2)
+        model.compile(keras.optimizers.SGD(0.5), **compile_kwargs)
+    model.fit(x, [tags, scores], batch_size=16, epochs=2, shuffle=False, verbose=0)
+    return {
+        **figures(reference, model, model.optimizer, build),
+        "classes": model._accumulator.num_classes,
+    }
+
+
 def main():
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     results = {}
     for case in CASES:
         results[f"fit_{case}"] = fit_run(strategy, case)
         results[f"loop_{case}"] = loop_run(strategy, case)
+    results["fit_two_normalisers"] = fit_two_normalisers(strategy)
     print_results({"replicas": strategy.num_replicas_in_sync, "results": results})
 
 
