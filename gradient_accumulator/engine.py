@@ -231,6 +231,16 @@ class _ClassLayout:
         return [(i, c, acc) for i, entries in enumerate(self.slots) for c, acc in entries]
 
 
+def _mean(total, weight):
+    """``total / weight``, 0 where ``weight`` is 0.
+
+    A group whose normaliser is 0 (a masked loss with no valid token in any
+    of its micro-batches) has a zero sum: its gradient is 0, as Keras's loss
+    of such a batch is, not 0 / 0.
+    """
+    return tf.math.divide_no_nan(total, ops.cast(weight, total.dtype))
+
+
 def _sum_name(variable):
     path = getattr(variable, "path", None) or variable.name
     return path.replace("/", "_").replace(":", "_") + "_accumulator"
@@ -688,7 +698,7 @@ class GradientAccumulator(tf.Module):
         """The update with classes: each variable's ``sum_c G_c / W_c`` to ``optimizer``."""
         means = [None] * len(variables)
         for (i, c), total in zip(present, sums):
-            term = total / weights[c]
+            term = _mean(total, weights[c])
             means[i] = term if means[i] is None else means[i] + term
         mean_grads = [
             None if m is None else ops.cast(m, var.dtype) for var, m in zip(variables, means)
@@ -699,7 +709,7 @@ class GradientAccumulator(tf.Module):
         """The update (replica context): the mean gradient to ``optimizer``, then a reset."""
         sums = iter(sums)
         mean_grads = [
-            ops.cast(next(sums) / weight, var.dtype) if has else None
+            ops.cast(_mean(next(sums), weight), var.dtype) if has else None
             for var, has in zip(variables, has_gradient)
         ]
         self._apply_mean_grads(mean_grads, optimizer, variables)

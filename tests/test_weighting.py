@@ -176,39 +176,74 @@ TWO_NORMALISERS = {"loss": [TAG_LOSS["loss"], "mse"], "loss_weights": [1.0, 0.3]
 
 
 @pytest.mark.parametrize(
-    "num_samples, epochs, compile_kwargs, regularized",
+    "num_samples, epochs, compile_kwargs, regularized, model_kwargs",
     [
-        (64, 2, {}, False),
-        (64, 1, {}, True),
-        (60, 1, {}, False),
-        (64, 1, {"jit_compile": True}, False),
-        (64, 1, {"run_eagerly": True}, False),
+        (64, 2, {}, False, {}),
+        (64, 1, {}, True, {}),
+        (60, 1, {}, False, {}),
+        (64, 1, {"jit_compile": True}, False, {}),
+        (64, 1, {"run_eagerly": True}, False, {}),
+        (76, 2, {"steps_per_execution": 3}, False, {}),
+        (64, 1, {}, False, {"reduce_every_micro_step": True}),
     ],
-    ids=["graph", "kernel_regularizer", "last_group_shorter", "jit", "eager"],
+    ids=[
+        "graph",
+        "kernel_regularizer",
+        "last_group_shorter",
+        "jit",
+        "eager",
+        "steps_per_execution",
+        "reduce_every_micro_step",
+    ],
 )
 def test_outputs_with_different_normalisers_equal_big_batch(
-    num_samples, epochs, compile_kwargs, regularized
+    num_samples, epochs, compile_kwargs, regularized, model_kwargs
 ):
     # A masked per-token head beside a per-sequence head: two normaliser
     # classes (valid tokens, samples), each with its own sums and divisor.
-    x, tags, _ = make_padded_sequences(num_samples)
-    scores = np.random.default_rng(5).normal(size=(len(x), 1)).astype("float32")
-    regularizer = keras.regularizers.L2(0.05) if regularized else None
     reference, accumulating = no_warnings(
-        lambda: train_pair(
-            lambda cls, **kw: build_two_heads(cls, pooled_head=True, regularizer=regularizer, **kw),
-            sgd,
-            x,
-            [tags, scores],
-            epochs=epochs,
-            compile_kwargs={**TWO_NORMALISERS, **compile_kwargs},
-        )
+        lambda: _two_heads_pair(num_samples, epochs, compile_kwargs, regularized, model_kwargs)
     )
     assert accumulating._accumulator.num_classes == 2
     assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
     assert int(reference.optimizer.iterations.numpy()) == int(
         accumulating.optimizer.iterations.numpy()
     )
+
+
+def _two_heads_pair(
+    num_samples=64, epochs=1, compile_kwargs=None, regularized=False, model_kwargs=None, opt=None
+):
+    x, tags, _ = make_padded_sequences(num_samples)
+    scores = np.random.default_rng(5).normal(size=(len(x), 1)).astype("float32")
+    regularizer = keras.regularizers.L2(0.05) if regularized else None
+
+    def build(cls, **kwargs):
+        if cls is GradientAccumulateModel:
+            kwargs.update(model_kwargs or {})
+        return build_two_heads(cls, pooled_head=True, regularizer=regularizer, **kwargs)
+
+    return train_pair(
+        build,
+        opt or sgd,
+        x,
+        [tags, scores],
+        epochs=epochs,
+        compile_kwargs={**TWO_NORMALISERS, **(compile_kwargs or {})},
+    )
+
+
+def test_outputs_with_different_normalisers_mixed_float16(mixed_float16):
+    # Within float16 rounding, with the big batch's loss scale and updates.
+    # (SGD: Keras's Adam updates an Embedding's sparse gradient otherwise
+    # than its dense sum, which the wrapper hands the optimizer.)
+    reference, accumulating = _two_heads_pair(epochs=2)
+    assert accumulating._accumulator.num_classes == 2
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT16_ATOL)
+    for attribute in ("iterations", "dynamic_scale"):
+        assert float(getattr(reference.optimizer, attribute).numpy()) == float(
+            getattr(accumulating.optimizer, attribute).numpy()
+        )
 
 
 def test_normaliser_classes_get_sums_only_where_several_reach():
@@ -228,6 +263,18 @@ def test_normaliser_classes_get_sums_only_where_several_reach():
     state = accumulator.state_variables
     assert len(state) == 4 + len(model.trainable_variables) + 2 + len(shared)
     assert all(float(np.abs(a.numpy()).max()) == 0.0 for a in accumulator.class_gradient_sums)
+
+
+def test_a_group_without_valid_tokens_gives_keras_zero_gradient():
+    # Keras's masked loss of a batch without a valid token is 0; the group's
+    # divisor is 0 too, and its gradient must be 0 (not 0 / 0).
+    x, tags, _ = make_padded_sequences(64)
+    x[:32] = 0
+    reference, accumulating = train_pair(
+        build_tagger, sgd, x, tags, epochs=1, compile_kwargs=TAG_LOSS
+    )
+    assert all(np.isfinite(w).all() for w in accumulating.get_weights())
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
 
 
 @keras.saving.register_keras_serializable(package="tests")
