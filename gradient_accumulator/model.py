@@ -327,7 +327,10 @@ class GradientAccumulateModel(keras.Model):
         # Several normaliser classes (found by `_discover_normaliser_classes`
         # before the first trace): one gradient per class, so a persistent
         # tape. One class: exactly the one-gradient step.
-        plan = self._normaliser_classes if accumulator.num_classes > 1 else None
+        # (A restored state may hold classes before `fit` found them: its
+        # sums are kept, this step's gradient goes to the first class.)
+        num_classes = accumulator.num_classes
+        plan = getattr(self, "_normaliser_classes", None) if num_classes > 1 else None
         classes = None
         with (
             update_step_scope(is_update_step),
@@ -351,18 +354,17 @@ class GradientAccumulateModel(keras.Model):
                 weighting = weight_micro_batch(*arguments, self.name)
                 objectives = [self.optimizer.scale_loss(weighting.objective)]
                 divisors = [weighting.divisor]
-                if plan is not None:  # the other classes' divisors stay
-                    divisors += [ops.zeros(())] * (plan.num_classes - 1)
+                divisors += [ops.zeros(())] * (num_classes - 1)  # the others' stay
             else:
                 objectives = [self.optimizer.scale_loss(objective) for objective, _ in classes]
                 divisors = [divisor for _, divisor in classes]
         # `loss` is scaled by 1/replicas for the cross-replica sum; undo that.
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         loss_tracker(self).update_state(loss * replicas, sample_weight=batch_size)
-        if plan is None:
+        if num_classes == 1:
             grads = tape.gradient(objectives[0], variables)
         else:
-            class_grads = self._class_gradients(tape, objectives, plan, variables)
+            class_grads = self._class_gradients(tape, objectives, plan, variables, num_classes)
             del tape
         # Every state change waits for the batch (see above): the counters'
         # increments depend on nothing else, and TensorFlow may run them in a
@@ -370,7 +372,7 @@ class GradientAccumulateModel(keras.Model):
         with tf.control_dependencies(inputs):
             statistics = self._apply_statistics(is_update_step)
             step = (is_update_step, self.optimizer, variables, statistics)
-            if plan is None:
+            if num_classes == 1:
                 accumulator.step(grads, divisors[0], *step)
             else:
                 accumulator.step_classes(class_grads, divisors, *step)
@@ -386,15 +388,15 @@ class GradientAccumulateModel(keras.Model):
         return logs_for_keras(logs, self.distribute_strategy)
 
     @staticmethod
-    def _class_gradients(tape, objectives, plan, variables):
+    def _class_gradients(tape, objectives, plan, variables, num_classes):
         """Per normaliser class, the gradients of its objective (``None`` where it does not reach).
 
-        One objective (a trace whose classes are not the discovered ones: the
-        one-sum rule, ``weight_micro_batch`` warned) fills the first class;
-        the others stay empty. Otherwise each class's backward pass runs
-        only to the variables it reaches (``plan.routing``).
+        One objective (a trace whose classes are not the discovered ones, or
+        were not discovered: the one-sum rule, ``weight_micro_batch`` warned)
+        fills the first class; the others stay empty. Otherwise each class's
+        backward pass runs only to the variables it reaches (``plan.routing``).
         """
-        class_grads = [[None] * len(variables) for _ in range(plan.num_classes)]
+        class_grads = [[None] * len(variables) for _ in range(num_classes)]
         if len(objectives) == 1:
             class_grads[0] = tape.gradient(objectives[0], variables)
             return class_grads
@@ -717,3 +719,4 @@ class GradientAccumulateModel(keras.Model):
         self._accumulator = accumulator
         self._apply_pending_function = None
         self._classes_discovered = False
+        self._normaliser_classes = None
