@@ -207,14 +207,20 @@ def make_padded_sequences(num_samples=64, seed=0, shard_size=None):
     return x.astype("int32"), tags.astype("int32"), weights.astype("float32")
 
 
-def build_tagger(cls=keras.Model, seed=0, regularizer=None, **kwargs):
-    """Embedding(mask_zero=True) -> Dense per token: a tagger whose loss is masked."""
+def _tagger_trunk(seed, regularizer):
+    """Token ids -> Embedding(mask_zero=True) -> Dense(tanh) per token: ``(inputs, hidden)``."""
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((TAG_LENGTH,), dtype="int32", name="tokens")
     embedded = keras.layers.Embedding(TAG_VOCABULARY, 8, mask_zero=True, name="embedding")(inputs)
     hidden = keras.layers.Dense(
         8, activation="tanh", kernel_regularizer=regularizer, name="hidden"
     )(embedded)
+    return inputs, hidden
+
+
+def build_tagger(cls=keras.Model, seed=0, regularizer=None, **kwargs):
+    """Embedding(mask_zero=True) -> Dense per token: a tagger whose loss is masked."""
+    inputs, hidden = _tagger_trunk(seed, regularizer)
     outputs = keras.layers.Dense(TAG_CLASSES, name="tags")(hidden)
     return cls(inputs=inputs, outputs=outputs, **kwargs)
 
@@ -225,12 +231,7 @@ def build_two_heads(cls=keras.Model, seed=0, pooled_head=False, regularizer=None
     With ``pooled_head``, the second head's loss (one value per sequence) has
     another normaliser than the masked per-token head's (valid tokens).
     """
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((TAG_LENGTH,), dtype="int32", name="tokens")
-    embedded = keras.layers.Embedding(TAG_VOCABULARY, 8, mask_zero=True, name="embedding")(inputs)
-    hidden = keras.layers.Dense(
-        8, activation="tanh", kernel_regularizer=regularizer, name="hidden"
-    )(embedded)
+    inputs, hidden = _tagger_trunk(seed, regularizer)
     tags = keras.layers.Dense(TAG_CLASSES, name="tags")(hidden)
     if pooled_head:
         second = keras.layers.Dense(1, name="second")(keras.layers.GlobalAveragePooling1D()(hidden))
