@@ -383,10 +383,9 @@ class GradientAccumulator(tf.Module):
         Args:
             routing: Sequence, per variable in the order of ``variables``, of
                 the ascending class indices whose gradient reaches it.
-            variables: The accumulator's trainable variables (checked).
+            variables: The accumulator's trainable variables (those it was
+                built for: see :meth:`matches`).
         """
-        if not self.matches(variables):
-            raise ValueError("configure_classes: not this accumulator's variables.")
         routing = tuple(tuple(sorted(classes)) for classes in routing)
         layout_classes = 1 + max((c for cs in routing for c in cs), default=0)
         if self._classes is not None and self._classes.routing == routing:
