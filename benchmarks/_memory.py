@@ -50,7 +50,9 @@ def measure(configs, fresh=True, timeout=1800):
 
     Args:
         configs: List of dicts, each with ``model`` (``{"kind":
-            "mobilenetv2", "size", "alpha"}`` or ``{"kind": "dense"}``),
+            "mobilenetv2", "size", "alpha"}``, ``{"kind": "mlp", "features",
+            "width"}`` or ``{"kind": "dense"}``), ``jit`` (optional,
+            ``jit_compile``),
             ``flavour`` (``"plain"``, ``"keras_builtin"``, ``"library"``),
             ``batch`` (samples per ``fit`` batch), ``accum_steps``,
             ``samples`` (distinct samples, the same for every configuration
@@ -73,6 +75,10 @@ def measure(configs, fresh=True, timeout=1800):
 def _build(spec):
     if spec["kind"] == "mobilenetv2":
         return mobilenetv2(size=spec["size"], alpha=spec["alpha"]), (spec["size"],) * 2 + (3,)
+    if spec["kind"] == "mlp":
+        # Parameter-dominated: MLP features-width-width-10 (1024-4096-4096-10: 21.0 M).
+        features, width = spec["features"], spec["width"]
+        return dense_model(features=features, width=width), (features,)
     return dense_model(), (256,)
 
 
@@ -99,7 +105,9 @@ def child(config):
     flavour = config["flavour"]
     if flavour not in (PLAIN, KERAS_BUILTIN, LIBRARY):
         raise ValueError(f"Unknown flavour {flavour!r}")
-    model = compiled(flavour, inputs, outputs, config["accum_steps"])
+    model = compiled(
+        flavour, inputs, outputs, config["accum_steps"], jit_compile=config.get("jit", False)
+    )
     params = trainable_parameters(model)
 
     per_step = []
