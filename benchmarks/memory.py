@@ -54,7 +54,15 @@ CONFIGS = {
     "built-in k x b": (KERAS_BUILTIN, False),
     "plain b": (PLAIN, False),
 }
-FIGURES = ("baseline_mb", "peak_mb", "extra_mb", "tf_extra_mb", "ru_maxrss_mb")
+FIGURES = (
+    "baseline_mb",
+    "peak_mb",
+    "extra_mb",
+    "steady_peak_mb",
+    "steady_extra_mb",
+    "tf_extra_mb",
+    "ru_maxrss_mb",
+)
 
 
 SETUPS = {
@@ -94,6 +102,7 @@ def measure_setup(model, accum_steps, micro_batch, jit, repeats, quick):
         r["extra_over_plain_b"] = r["extra_mb"] / floor["extra_mb"]
         r["peak_minus_plain_b_mb"] = r["peak_mb"] - floor["peak_mb"]
         r["over_plain_b_per_accumulators"] = r["peak_minus_plain_b_mb"] / accumulators_mb
+        r["steady_minus_plain_b_mb"] = r["steady_peak_mb"] - floor["steady_peak_mb"]
     return {
         "model": model,
         "mode": "jit" if jit else "graph",
@@ -134,6 +143,7 @@ def print_setup(name, setup, how):
             f"{r['extra_over_plain_b']:.3f}",
             f"{r['peak_minus_plain_b_mb']:+.0f}",
             f"{r['over_plain_b_per_accumulators']:.2f}",
+            f"{r['steady_minus_plain_b_mb']:+.0f}",
             f"{r['tf_extra_mb']:.0f}",
         ]
         for config, r in setup["results"].items()
@@ -151,6 +161,7 @@ def print_setup(name, setup, how):
             "extra / plain b",
             "peak - plain b",
             "(peak - plain b) / accumulators",
+            "after the first group: peak - plain b",
             "TF allocator extra MiB",
         ],
         rows,
