@@ -179,12 +179,19 @@ class GradientAccumulateModel(keras.Model):
     have the big batch's magnitude and the loss scale follows the big
     batch's.
 
+    Outputs whose losses divide by different normalisers (e.g. a masked
+    per-token output beside a per-sequence one), and data-dependent
+    ``add_loss`` terms beside such a loss, form normaliser classes, found
+    by ``fit`` before its first step: each class is summed and divided on
+    its own (one more float32 sum for every variable several classes reach,
+    one backward pass per class).
+
     Where it is *not* identical to the big batch: layers whose forward pass
     depends on the whole batch (BatchNormalization sees one micro-batch at a
-    time; see ``AccumBatchNormalization``), outputs whose losses divide by
-    different normalisers (e.g. a masked per-token output beside a
-    per-sequence one: a warning at the first step says so, and the
-    documentation's "Which losses are exact" lists every case), and float
+    time; see ``AccumBatchNormalization``), losses whose normaliser the
+    wrapper cannot see (an overridden ``compute_loss``: weighted by samples;
+    the documentation's "Which losses are exact" lists every case, and a
+    warning at the first step names those it can detect), and float
     rounding (float32: about 1e-6; float16 compute: about 1e-3, tested to
     2e-3).
 
