@@ -15,12 +15,17 @@ module reads ``N_i`` from what Keras itself combined while computing the
 loss: for every ``keras.losses.Loss`` call, its unreduced values, sample
 weights, mask and reduction (:func:`gradient_accumulator._compat.recorded_loss_reductions`).
 
-One gradient sum holds one normaliser: the loss terms of a model must share
-it (every term a mean over samples; or every term masked by the same mask,
-or weighted by the same weights; or every term a sum). Terms that depend on
-the weights only (kernel regularizers) are counted once per update whatever
-the normaliser. Anything else is weighted by samples, as before, with a
-warning that says so.
+One gradient sum holds one normaliser. Terms that share it form one class
+(every term a mean over samples; or masked by the same mask, or weighted by
+the same weights; or a sum): :func:`weight_micro_batch` weights them. Terms
+with different normalisers (a masked per-token output beside a per-sample
+one), and data-dependent additional losses beside a non-per-sample loss,
+form several classes (:class:`ClassPlan`, found by a traced pass before the
+first step): :func:`weight_classes` weights each, and the accumulator sums
+and divides each class on its own. Terms that depend on the weights only
+(kernel regularizers) are counted once per update whatever the normaliser.
+A train function traced without that pass, or a loss with
+``reduction=None``, is weighted by samples with a warning that says so.
 """
 
 import warnings
@@ -215,7 +220,7 @@ def weight_only_loss_count(model):
 
 
 # ----------------------------------------------------------------------------
-# Several normaliser classes (prototype)
+# Several normaliser classes
 # ----------------------------------------------------------------------------
 
 
