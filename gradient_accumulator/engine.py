@@ -81,15 +81,16 @@ def current_update_step():
     return stack[-1] if stack else None
 
 
-def _all_reduce_in_replica(grads, weight):
-    """Sums the dense gradients and the weight across replicas, in one batch."""
+def _all_reduce_in_replica(grads, weights):
+    """Sums the dense gradients and the weights across replicas, in one batch."""
     present = [g for g in grads if g is not None]
     dense = [tf.convert_to_tensor(g) for g in present]  # IndexedSlices densified
-    *reduced, weight = tf.distribute.get_replica_context().all_reduce(
-        tf.distribute.ReduceOp.SUM, [*dense, weight]
+    reduced = tf.distribute.get_replica_context().all_reduce(
+        tf.distribute.ReduceOp.SUM, [*dense, *weights]
     )
-    reduced = iter(reduced)
-    return [None if g is None else next(reduced) for g in grads], weight
+    weights = reduced[len(dense) :]
+    reduced = iter(reduced[: len(dense)])
+    return [None if g is None else next(reduced) for g in grads], weights
 
 
 def _scatter_add_in_place(variable, slices):
@@ -424,9 +425,8 @@ class GradientAccumulator(tf.Module):
         self.class_group_references = references
         self.class_gradient_sums = extra
         self._classes = _ClassLayout(routing, slots)
-        for attribute in ("_has_gradient", "_slot_has_gradient"):
-            if hasattr(self, attribute):
-                delattr(self, attribute)
+        if hasattr(self, "_slot_has_gradient"):
+            del self._slot_has_gradient
 
     def _weight_sums(self):
         extra = self.class_weight_sums if self._classes is not None else []
@@ -578,7 +578,7 @@ class GradientAccumulator(tf.Module):
         divisor = loss_weight if divisor is None else divisor
         weight = ops.cast(divisor, "float32") / replicas
         if self._reduce_every_micro_step:
-            grads, weight = _all_reduce_in_replica(grads, weight)
+            grads, (weight,) = _all_reduce_in_replica(grads, [weight])
         for acc, grad in zip(self.gradient_sums, grads):
             if grad is None:
                 continue
@@ -613,25 +613,16 @@ class GradientAccumulator(tf.Module):
         flat = layout.flat()
         grads = [class_grads[c][i] for i, c, _ in flat]
         if self._reduce_every_micro_step:
-            present = [g for g in grads if g is not None]
-            dense = [tf.convert_to_tensor(g) for g in present]
-            reduced = tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.SUM, [*dense, *weights]
-            )
-            weights = reduced[len(dense) :]
-            reduced = iter(reduced[: len(dense)])
-            grads = [None if g is None else next(reduced) for g in grads]
+            grads, weights = _all_reduce_in_replica(grads, weights)
         for (_, _, acc), grad in zip(flat, grads):
             if grad is not None:
                 _add_in_place(acc, grad)
         for total, weight in zip(self._weight_sums(), weights):
             total.assign_add(weight)
         self.micro_step.assign_add(1)
+        # Trace-time structure, as `_has_gradient` in `step`: which sums get
+        # a gradient at all.
         self._slot_has_gradient = [grad is not None for grad in grads]
-        self._has_gradient = [
-            any(class_grads[c][i] is not None for c, _ in entries)
-            for i, entries in enumerate(layout.slots)
-        ]
         self.apply_if(is_update_step, optimizer, variables, statistics)
 
     def apply_pending(self, optimizer, variables, statistics=()):
@@ -667,7 +658,6 @@ class GradientAccumulator(tf.Module):
             slot_has = getattr(self, "_slot_has_gradient", [True] * len(flat))
             present = [(i, c) for (i, c, _), has in zip(flat, slot_has) if has]
             summed = [acc for (_, _, acc), has in zip(flat, slot_has) if has]
-            has_gradient = [any(i == j for j, _ in present) for i in range(len(variables))]
         weight_sums = self._weight_sums()
         statistics = list(statistics)
         local = self._reduce_every_micro_step  # sums already global

@@ -174,13 +174,8 @@ def weight_micro_batch(
         )
     if key == SUM:
         return _weight_sum(loss, additional_losses, micro)
-    if key == SAMPLES:
-        size = ops.cast(batch_size, "float32")
-        normaliser, capacity = size, size
-    else:
-        term = next(t for t in terms if t.key == key)
-        normaliser, capacity = term.normaliser, term.capacity
-    weight = accumulator.share(normaliser, capacity, micro)
+    term = None if key == SAMPLES else next(t for t in terms if t.key == key)
+    weight = accumulator.share(*_normaliser_and_capacity(term, batch_size), micro)
     return MicroBatchWeighting(loss * ops.cast(weight, loss.dtype), weight)
 
 
@@ -190,18 +185,29 @@ def _weight_sum(loss, additional_losses, micro):
     The terms of ``additional_losses`` (weight regularizers) enter once, at
     the group's first micro-step, as the big batch counts them once.
     """
-    replicas = tf.distribute.get_strategy().num_replicas_in_sync
     first = ops.cast(micro.is_first, "float32")
     scale = _sum_scale()
     if additional_losses:
-        extra = ops.sum(
-            ops.stack([ops.sum(ops.cast(term, "float32")) for term in additional_losses])
-        )
-        extra = ops.cast(extra / replicas, loss.dtype)
+        extra = _additional_total(additional_losses, loss.dtype)
         objective = scale * (loss - extra) + ops.cast(first, loss.dtype) * extra
     else:
         objective = scale * loss
     return MicroBatchWeighting(objective, first)
+
+
+def _normaliser_and_capacity(term, batch_size):
+    """``(N_i, capacity)`` of a :class:`LossTerm`, or of the samples if ``term`` is ``None``."""
+    if term is None:
+        size = ops.cast(batch_size, "float32")
+        return size, size
+    return term.normaliser, term.capacity
+
+
+def _additional_total(additional_losses, dtype):
+    """The sum of ``model.losses``, divided by the replicas as Keras's loss is."""
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    extra = ops.sum(ops.stack([ops.sum(ops.cast(term, "float32")) for term in additional_losses]))
+    return ops.cast(extra / replicas, dtype)
 
 
 def _sum_scale():
@@ -313,11 +319,7 @@ def class_data_objectives(loss, records, additional_losses, plan, tape):
             for j in positions
         ]
         if c == plan.extras_class and additional_losses:
-            replicas = tf.distribute.get_strategy().num_replicas_in_sync
-            extra = ops.sum(
-                ops.stack([ops.sum(ops.cast(term, "float32")) for term in additional_losses])
-            )
-            parts.append(ops.cast(extra / replicas, loss.dtype))
+            parts.append(_additional_total(additional_losses, loss.dtype))
         objectives.append(ops.sum(ops.stack(parts)) if len(parts) > 1 else parts[0])
     return objectives
 
@@ -353,12 +355,8 @@ def weight_classes(
             # replicas, which `compute_training_loss` did.
             weighted.append((objective * _sum_scale(), first))
             continue
-        if kind == SAMPLES:
-            size = ops.cast(batch_size, "float32")
-            normaliser, capacity = size, size
-        else:
-            term = terms[positions[0]]
-            normaliser, capacity = term.normaliser, term.capacity
+        term = None if kind == SAMPLES else terms[positions[0]]
+        normaliser, capacity = _normaliser_and_capacity(term, batch_size)
         weight = accumulator.share(normaliser, capacity, micro, normaliser_class=c)
         weighted.append((objective * ops.cast(weight, objective.dtype), weight))
     return weighted
