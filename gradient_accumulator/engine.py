@@ -247,6 +247,41 @@ def _sum_name(variable):
     return path.replace("/", "_").replace(":", "_") + "_accumulator"
 
 
+class _UpdatePlan:
+    """What one update reads (trace time): the sums, the divisors, the statistics.
+
+    Attributes:
+        slots: The ``(variable index, class, sum variable)`` entries that
+            hold a gradient.
+        weight_sums: Per class, its divisor's variable.
+        statistics: The ``(value, apply_fn)`` pairs of :meth:`GradientAccumulator.apply_if`.
+        reduced_every_micro_step: Whether the sums are already global.
+    """
+
+    def __init__(self, slots, weight_sums, statistics, reduced_every_micro_step):
+        self.slots = slots
+        self.weight_sums = weight_sums
+        self.statistics = statistics
+        self.reduced_every_micro_step = reduced_every_micro_step
+
+    def values_to_reduce(self):
+        """What crosses the replicas at the update, in one batch."""
+        statistics = [value for value, _ in self.statistics]
+        if self.reduced_every_micro_step:
+            return statistics
+        return [*(acc for _, _, acc in self.slots), *self.weight_sums, *statistics]
+
+    def split(self, reduced):
+        """``reduced`` (the sums of :meth:`values_to_reduce`) as (sums, weights, statistics)."""
+        if self.reduced_every_micro_step:
+            sums = [ops.convert_to_tensor(acc) for _, _, acc in self.slots]
+            weights = [ops.convert_to_tensor(w) for w in self.weight_sums]
+            return sums, weights, list(reduced)
+        count = len(self.slots) + len(self.weight_sums)
+        reduced = list(reduced)
+        return reduced[: len(self.slots)], reduced[len(self.slots) : count], reduced[count:]
+
+
 class GradientAccumulator(tf.Module):
     """Float32 gradient sums of one accumulation group and its update boundary.
 
@@ -425,8 +460,8 @@ class GradientAccumulator(tf.Module):
         self.class_group_references = references
         self.class_gradient_sums = extra
         self._classes = _ClassLayout(routing, slots)
-        if hasattr(self, "_slot_has_gradient"):
-            del self._slot_has_gradient
+        if hasattr(self, "traced_slots"):
+            del self.traced_slots  # slots of the layout traced before
 
     def _weight_sums(self):
         extra = self.class_weight_sums if self._classes is not None else []
@@ -572,23 +607,10 @@ class GradientAccumulator(tf.Module):
         a gradient are left alone as in plain Keras. ``divisor`` is what this
         micro-step adds to the group's divisor (``loss_weight`` if ``None``).
         """
-        # Each replica adds its share of the weight, so that the all-reduced
-        # sum is the group's total weight whatever the number of replicas.
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
         divisor = loss_weight if divisor is None else divisor
-        weight = ops.cast(divisor, "float32") / replicas
-        if self._reduce_every_micro_step:
-            grads, (weight,) = _all_reduce_in_replica(grads, [weight])
-        for acc, grad in zip(self.gradient_sums, grads):
-            if grad is None:
-                continue
-            _add_in_place(acc, grad)
-        self.weight_sum.assign_add(weight)
-        self.micro_step.assign_add(1)
-        # Trace-time structure, not state: which variables get a gradient at
-        # all. Replayed by `apply_pending`, which has no gradients to look at.
-        self._has_gradient = [grad is not None for grad in grads]
-        self.apply_if(is_update_step, optimizer, variables, statistics)
+        # One class: its gradients are the only ones (with several, the
+        # missing classes' gradients fail loudly in `step_classes`).
+        self.step_classes([grads], [divisor], is_update_step, optimizer, variables, statistics)
 
     def step_classes(
         self,
@@ -607,23 +629,9 @@ class GradientAccumulator(tf.Module):
                 reach (a variable outside the class's routing is ignored).
             divisors: Per class, what this micro-step adds to its divisor.
         """
-        layout = self._classes
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        weights = [ops.cast(d, "float32") / replicas for d in divisors]
-        flat = layout.flat()
-        grads = [class_grads[c][i] for i, c, _ in flat]
-        if self._reduce_every_micro_step:
-            grads, weights = _all_reduce_in_replica(grads, weights)
-        for (_, _, acc), grad in zip(flat, grads):
-            if grad is not None:
-                _add_in_place(acc, grad)
-        for total, weight in zip(self._weight_sums(), weights):
-            total.assign_add(weight)
-        self.micro_step.assign_add(1)
-        # Trace-time structure, as `_has_gradient` in `step`: which sums get
-        # a gradient at all.
-        self._slot_has_gradient = [grad is not None for grad in grads]
-        self.apply_if(is_update_step, optimizer, variables, statistics)
+        grads = [class_grads[c][i] for i, c, _ in self._slots()]
+        present = self._accumulate(grads, divisors)
+        self.apply_if(is_update_step, optimizer, variables, statistics, present)
 
     def apply_pending(self, optimizer, variables, statistics=()):
         """Updates with a non-empty, unfinished group (replica context).
@@ -634,11 +642,51 @@ class GradientAccumulator(tf.Module):
         """
         self.apply_if(ops.greater(self.micro_step, 0), optimizer, variables, statistics)
 
-    def apply_if(self, is_update_step, optimizer, variables, statistics=()):
+    # The paths of a micro-step, in order: `_accumulate` (every micro-step),
+    # then `apply_if`, which hands `_update` to `sum_across_replicas_if`: the
+    # sums cross the replicas in one batch and `_update` runs only at an
+    # update step, in replica context, whichever of its two paths (conditional
+    # in the replica, or in cross-replica context) the strategy needs.
+
+    def _slots(self):
+        """Every gradient sum, as ``(variable index, class, sum variable)``."""
+        if self._classes is None:
+            return [(i, 0, acc) for i, acc in enumerate(self.gradient_sums)]
+        return self._classes.flat()
+
+    def _accumulate(self, slot_grads, divisors):
+        """Adds one micro-step: the gradients into their sums, the divisors into theirs.
+
+        Args:
+            slot_grads: One gradient (or ``None``) per entry of :meth:`_slots`.
+            divisors: Per class, what this micro-step adds to its divisor.
+
+        Returns:
+            The indices of the slots that received a gradient: trace-time
+            structure, the same at every micro-step of a traced function. Also
+            kept as ``traced_slots`` for :meth:`apply_pending`, which traces an
+            update without gradients to look at.
+        """
+        # Each replica adds its share of the weight, so that the all-reduced
+        # sum is the group's total weight whatever the number of replicas.
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        weights = [ops.cast(d, "float32") / replicas for d in divisors]
+        if self._reduce_every_micro_step:
+            slot_grads, weights = _all_reduce_in_replica(slot_grads, weights)
+        for (_, _, acc), grad in zip(self._slots(), slot_grads):
+            if grad is not None:
+                _add_in_place(acc, grad)
+        for total, weight in zip(self._weight_sums(), weights):
+            total.assign_add(weight)
+        self.micro_step.assign_add(1)
+        self.traced_slots = [k for k, grad in enumerate(slot_grads) if grad is not None]
+        return self.traced_slots
+
+    def apply_if(self, is_update_step, optimizer, variables, statistics=(), present=None):
         """Hands the group's mean gradient to ``optimizer`` if ``is_update_step``.
 
         Called in replica context; resets the group after updating. The
-        group's gradient sums, its weight sum and each entry of
+        group's gradient sums, its weight sums and each entry of
         ``statistics`` cross the replicas in one batched reduction (the sums
         only if they were not reduced at every micro-step).
 
@@ -648,62 +696,38 @@ class GradientAccumulator(tf.Module):
                 and a callable that receives the sum in the update, in
                 replica context (``AccumBatchNormalization`` merges its
                 replicas' pending statistics so).
+            present: Indices into :meth:`_slots` of the sums that hold a
+                gradient; the last traced micro-step's (``traced_slots``) if
+                ``None``, all of them before any.
         """
-        if self._classes is None:
-            has_gradient = getattr(self, "_has_gradient", [True] * len(variables))
-            summed = [acc for acc, has in zip(self.gradient_sums, has_gradient) if has]
-            present = None
-        else:
-            flat = self._classes.flat()
-            slot_has = getattr(self, "_slot_has_gradient", [True] * len(flat))
-            present = [(i, c) for (i, c, _), has in zip(flat, slot_has) if has]
-            summed = [acc for (_, _, acc), has in zip(flat, slot_has) if has]
-        weight_sums = self._weight_sums()
-        statistics = list(statistics)
-        local = self._reduce_every_micro_step  # sums already global
-
-        def update(*reduced):
-            if local:
-                sums = [ops.convert_to_tensor(acc) for acc in summed]
-                weights = [ops.convert_to_tensor(w) for w in weight_sums]
-            else:
-                count = len(summed) + len(weight_sums)
-                sums = reduced[: len(summed)]
-                weights = reduced[len(summed) : count]
-                reduced = reduced[count:]
-            for (_, apply_statistics), total in zip(statistics, reduced):
-                apply_statistics(total)
-            if present is None:
-                self._apply_mean(sums, weights[0], has_gradient, optimizer, variables)
-            else:
-                self._apply_class_means(sums, weights, present, optimizer, variables)
-
-        values = [] if local else [*summed, *weight_sums]
-        values += [value for value, _ in statistics]
+        slots = self._slots()
+        if present is None:
+            present = getattr(self, "traced_slots", range(len(slots)))
+        plan = _UpdatePlan(
+            [slots[k] for k in present],
+            self._weight_sums(),
+            list(statistics),
+            reduced_every_micro_step=self._reduce_every_micro_step,
+        )
         with gradients_already_reduced(optimizer):
-            sum_across_replicas_if(is_update_step, values, update)
+            sum_across_replicas_if(
+                is_update_step,
+                plan.values_to_reduce(),
+                lambda *reduced: self._update(plan, reduced, optimizer, variables),
+            )
 
-    def _apply_class_means(self, sums, weights, present, optimizer, variables):
-        """The update with classes: each variable's ``sum_c G_c / W_c`` to ``optimizer``."""
+    def _update(self, plan, reduced, optimizer, variables):
+        """The update (replica context): ``sum_c G_c / W_c`` to ``optimizer``, then a reset."""
+        sums, weights, statistic_sums = plan.split(reduced)
+        for (_, apply_statistics), total in zip(plan.statistics, statistic_sums):
+            apply_statistics(total)
         means = [None] * len(variables)
-        for (i, c), total in zip(present, sums):
+        for (i, c, _), total in zip(plan.slots, sums):
             term = _mean(total, weights[c])
             means[i] = term if means[i] is None else means[i] + term
         mean_grads = [
             None if m is None else ops.cast(m, var.dtype) for var, m in zip(variables, means)
         ]
-        self._apply_mean_grads(mean_grads, optimizer, variables)
-
-    def _apply_mean(self, sums, weight, has_gradient, optimizer, variables):
-        """The update (replica context): the mean gradient to ``optimizer``, then a reset."""
-        sums = iter(sums)
-        mean_grads = [
-            ops.cast(_mean(next(sums), weight), var.dtype) if has else None
-            for var, has in zip(variables, has_gradient)
-        ]
-        self._apply_mean_grads(mean_grads, optimizer, variables)
-
-    def _apply_mean_grads(self, mean_grads, optimizer, variables):
         if self._gradient_transform is not None:
             mean_grads = self._gradient_transform(mean_grads, variables)
         optimizer.apply(mean_grads, variables)
