@@ -38,11 +38,99 @@ LABELS = {
 MIB = 1024 * 1024
 
 
-def parser(description):
-    p = argparse.ArgumentParser(description=description)
+# Which device the benchmarks train on: set by `--device`, read by the
+# process and inherited by its fresh children.
+DEVICE_ENV = "GRADIENT_ACCUMULATOR_BENCHMARK_DEVICE"
+DEVICES = ("auto", "cpu", "gpu")
+
+
+class _Parser(argparse.ArgumentParser):
+    def parse_args(self, *args, **kwargs):
+        parsed = super().parse_args(*args, **kwargs)
+        choose_device(parsed.device)
+        if parsed.device == "gpu":
+            training_device()  # no GPU: fails now, before anything runs on the CPU
+        return parsed
+
+
+def parser(description, cpu_only=None):
+    """The scripts' common arguments: ``--quick``, ``--out``, ``--device``.
+
+    Args:
+        cpu_only: ``None``, or why the script measures on the CPU only (e.g.
+            it splits the CPU into logical devices): ``--device`` then takes
+            ``cpu`` only (``auto`` meaning it), and refuses ``gpu`` saying why.
+    """
+    p = _Parser(description=description)
     p.add_argument("--quick", action="store_true", help="tiny sizes, for CI (figures meaningless)")
     p.add_argument("--out", default=str(RESULTS), help="folder for the JSON and PNG files")
+    if cpu_only is None:
+        p.add_argument(
+            "--device",
+            choices=DEVICES,
+            default="auto",
+            help="train on the CPU, on the first GPU, or (auto) on a GPU if TensorFlow sees one",
+        )
+    else:
+        p.add_argument(
+            "--device",
+            type=lambda value: _cpu_device(value, cpu_only),
+            default="cpu",
+            help=f"cpu only: {cpu_only}",
+        )
     return p
+
+
+def _cpu_device(value, why):
+    if value not in ("auto", "cpu"):
+        raise argparse.ArgumentTypeError(
+            f"`--device {value}` is not supported by this script: {why}; it runs on the CPU."
+        )
+    return "cpu"
+
+
+def choose_device(device):
+    """Makes ``device`` (one of :data:`DEVICES`) the one this process and its children train on.
+
+    Call before TensorFlow starts its devices. ``"cpu"`` hides the GPUs from
+    TensorFlow (``CUDA_VISIBLE_DEVICES=-1``); ``"gpu"`` requires one
+    (:func:`training_device` fails otherwise); ``"auto"`` takes what
+    TensorFlow sees.
+    """
+    if device not in DEVICES:
+        raise ValueError(f"`--device` must be one of {DEVICES}, got {device!r}.")
+    os.environ[DEVICE_ENV] = device
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
+
+
+def training_device():
+    """The device the benchmarks train on: ``"GPU:0"`` or ``"CPU:0"``.
+
+    TensorFlow places ops on its first GPU when it sees one, so this is where
+    they run; ``--device gpu`` without a GPU is an error, not a silent CPU run.
+    """
+    import tensorflow as tf
+
+    has_gpu = bool(tf.config.list_physical_devices("GPU"))
+    if os.environ.get(DEVICE_ENV) == "gpu" and not has_gpu:
+        sys.exit(
+            "`--device gpu`: TensorFlow sees no GPU "
+            "(`tf.config.list_physical_devices('GPU')` is empty); "
+            "use `--device cpu` or install a GPU build of TensorFlow."
+        )
+    return "GPU:0" if has_gpu else "CPU:0"
+
+
+def device_description():
+    """What the figures were measured on, for the output: device and its name."""
+    import tensorflow as tf
+
+    device = training_device()
+    if device == "CPU:0":
+        return {"device": device, "device_name": f"CPU ({os.cpu_count()} logical cores)"}
+    details = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0])
+    return {"device": device, "device_name": details.get("device_name", "GPU")}
 
 
 # --- side by side -------------------------------------------------------------
@@ -337,6 +425,7 @@ def save(out, name, payload, plot=None):
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    payload = {**payload, **device_description()}  # what the figures were measured on
     (out / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
     paths = [out / f"{name}.json"]
     if plot is not None:

@@ -11,9 +11,10 @@ to train -- then resets the kernel's peak-RSS mark and fits. The figures:
 - ``extra_mb = peak_mb - baseline_mb``: what training adds to the idle
   process (activations, gradients, optimizer slots, the traced graph, the
   data pipeline's buffers);
-- ``tf_peak_mb`` / ``tf_extra_mb``: the same from TensorFlow's CPU allocator
-  (tensors only; no graph, no Python, no allocator slack), which says where
-  an RSS difference comes from;
+- ``tf_peak_mb`` / ``tf_extra_mb``: the same from TensorFlow's allocator of
+  the training device (tensors only; no graph, no Python, no C allocator
+  slack), which says where an RSS difference comes from; on a GPU
+  (``--device gpu``) it is the GPU's memory, the one that runs out there;
 - ``per_step``: RSS, peak RSS and allocator figures after every step, to see
   when the peak happens (the first step also traces; RSS levels off after a
   few steps, so every configuration runs at least 16).
@@ -34,12 +35,14 @@ from benchmarks._common import (
     PLAIN,
     compiled,
     dense_model,
+    device_description,
     mobilenetv2,
     peak_rss_mb,
     reset_peak_rss,
     rss_mb,
     run_child,
     trainable_parameters,
+    training_device,
 )
 
 MODULE = "benchmarks._memory"
@@ -85,7 +88,7 @@ def _build(spec):
 def _tf_memory_mb():
     import tensorflow as tf
 
-    info = tf.config.experimental.get_memory_info("CPU:0")
+    info = tf.config.experimental.get_memory_info(training_device())
     return info["current"] / MIB, info["peak"] / MIB
 
 
@@ -134,7 +137,7 @@ def child(config):
         resettable = True
     except OSError:  # not Linux, or not allowed: the peak then spans the whole life
         resettable = False
-    tf.config.experimental.reset_memory_stats("CPU:0")
+    tf.config.experimental.reset_memory_stats(training_device())
     model.fit(dataset, epochs=1, steps_per_epoch=config["steps"], verbose=0, callbacks=[Record()])
     peak = peak_rss_mb()  # since the reset after the first group, if any
     overall = max(peak, per_step[first_group - 1][1]) if steady else peak
@@ -143,6 +146,7 @@ def child(config):
 
     return {
         **config,
+        **device_description(),
         "params": params,
         "accumulator_mb": 4 * params / MIB,
         "steps": len(per_step),

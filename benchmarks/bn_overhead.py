@@ -153,7 +153,10 @@ def mirrored_child(quick):
 
 
 def main():
-    p = parser(__doc__.splitlines()[0])
+    p = parser(
+        __doc__.splitlines()[0],
+        cpu_only="its MirroredStrategy part splits the CPU into logical devices",
+    )
     p.add_argument("--child", help="internal: run the MirroredStrategy part with this JSON")
     args = p.parse_args()
     if args.child is not None:

@@ -187,7 +187,11 @@ def batchnorm_figures(strategy, counter, quick, micro_batch):
 
 
 def main():
-    args = parser(__doc__.splitlines()[0]).parse_args()
+    p = parser(
+        __doc__.splitlines()[0],
+        cpu_only="it splits the CPU into logical devices for MirroredStrategy",
+    )
+    args = p.parse_args()
     logical_cpus(REPLICAS)  # before anything else starts TensorFlow's devices
 
     import numpy as np

@@ -8,11 +8,18 @@ JSON and PNG files with the keys its documentation promises.
 """
 
 import json
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
 
 from tests.helpers import KERAS_VERSION, ROOT, run_python
+
+# The scripts are development tools, not the package: CI runs them with the
+# newest TensorFlow and Keras only (see .ci/run).
+pytestmark = pytest.mark.benchmarks
 
 # Every script in benchmarks/ (checked below) and the keys of its JSON file:
 # top level, then those of every entry of its per-configuration results.
@@ -41,6 +48,8 @@ EXPECTED = {
             "accumulators_mb",
             "allowed_1_10_accumulators_mb",
             "goal_1_10_met",
+            "allocator_goal_1_10_met",
+            "device",
             "results",
         },
     ),
@@ -96,6 +105,36 @@ def quick(tmp_path_factory):
     return run
 
 
+def run_failing(args):
+    """``python -m *args`` from the repository root, expected to fail: the completed process."""
+    return subprocess.run(
+        [sys.executable, "-m", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+
+
+def test_device_gpu_without_a_gpu_fails_before_running_anything(tmp_path):
+    import tensorflow as tf
+
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("TensorFlow sees a GPU here")
+    result = run_failing(["benchmarks.step_time", "--quick", "--device", "gpu", "--out", tmp_path])
+    assert result.returncode != 0
+    assert "`--device gpu`: TensorFlow sees no GPU" in result.stderr
+    assert not list(tmp_path.iterdir())  # nothing measured on the CPU instead
+
+
+@pytest.mark.parametrize("name", ["communication", "bn_overhead"])
+def test_logical_cpu_benchmarks_refuse_device_gpu(tmp_path, name):
+    result = run_failing([f"benchmarks.{name}", "--quick", "--device", "gpu", "--out", tmp_path])
+    assert result.returncode == 2
+    assert "`--device gpu` is not supported by this script" in result.stderr
+
+
 def test_every_benchmark_is_run_here():
     scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.stem.startswith("_")}
     assert scripts == set(EXPECTED)
@@ -108,6 +147,9 @@ def test_quick_run_writes_its_figures(quick, name):
     assert "wrote " in stdout
     top, per_entry = EXPECTED[name]
     assert top <= set(payload), top - set(payload)
+    # What the figures were measured on (`--device`, default auto).
+    assert payload["device"] in ("CPU:0", "GPU:0")
+    assert payload["device_name"]
     if per_entry is None:
         return
     if name == "bn_overhead":
