@@ -18,8 +18,9 @@ update step, each against a plain step: that is where any overhead lives.
 ``fit``'s own per-step Python (callbacks, progress bar) is the same for all
 and left out, which makes the ratios stricter, not looser.
 
-Run: ``python -m benchmarks.step_time`` (``--quick`` for CI: the dense model in
-graph mode only, a few rounds; figures meaningless).
+Run: ``python -m benchmarks.step_time`` (``--models dense --modes jit`` for a
+part; ``--quick`` for CI: the dense model in graph mode only, a few rounds;
+figures meaningless).
 """
 
 import numpy as np
@@ -96,11 +97,25 @@ def measure(kind, mode, rounds, groups, micro_batch):
 
 
 def main():
-    args = parser(__doc__.splitlines()[0]).parse_args()
+    p = parser(__doc__.splitlines()[0])
+    names = ",".join(MODELS)
+    p.add_argument("--models", default=names, help=f"comma-separated: {names}")
+    p.add_argument("--modes", default="graph,jit", help="comma-separated: graph,jit")
+    args = p.parse_args()
     quick = args.quick
     micro_batch = 8 if quick else 16
+    cases = QUICK_CASES if quick else FULL_CASES
+    models, modes = args.models.split(","), args.modes.split(",")
+    for name in models:
+        if name not in MODELS:
+            p.error(f"`--models`: unknown model {name!r}; the models are {', '.join(MODELS)}")
+    for mode in modes:
+        if mode not in ("graph", "jit"):
+            p.error(f"`--modes`: unknown mode {mode!r}; the modes are graph, jit")
     payload = []
-    for kind, mode, rounds, groups in QUICK_CASES if quick else FULL_CASES:
+    for kind, mode, rounds, groups in cases:
+        if not quick and (kind not in models or mode not in modes):
+            continue
         payload.append(measure(kind, mode, rounds, groups, micro_batch))
         r = payload[-1]
         print(
