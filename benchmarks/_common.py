@@ -81,6 +81,37 @@ def parser(description, cpu_only=None):
     return p
 
 
+MODES = ("graph", "jit")
+
+
+def add_parts(p, models, default_models=None):
+    """``--models`` and ``--modes``: the part of a script's setups to run."""
+    names = ",".join(models)
+    p.add_argument("--models", default=default_models or names, help=f"comma-separated: {names}")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated: {','.join(MODES)}")
+
+
+def chosen_parts(p, args, models):
+    """The ``(models, modes)`` asked for, each name checked; ``--quick`` takes neither.
+
+    ``--quick`` runs the script's own tiny case: a part asked for beside it
+    is refused rather than silently not run.
+    """
+    asked = {
+        "--models": (args.models.split(","), models),
+        "--modes": (args.modes.split(","), MODES),
+    }
+    for option, (names, known) in asked.items():
+        for name in names:
+            if name not in known:
+                p.error(f"`{option}`: unknown name {name!r}; the names are {', '.join(known)}")
+    if args.quick and (
+        args.models != p.get_default("models") or args.modes != p.get_default("modes")
+    ):
+        p.error("`--quick` runs its own tiny case: drop `--models` and `--modes`.")
+    return asked["--models"][0], asked["--modes"][0]
+
+
 def _cpu_device(value, why):
     if value not in ("auto", "cpu"):
         raise argparse.ArgumentTypeError(

@@ -85,10 +85,10 @@ def _build(spec):
     return dense_model(), (256,)
 
 
-def _tf_memory_mb():
+def _tf_memory_mb(device):
     import tensorflow as tf
 
-    info = tf.config.experimental.get_memory_info(training_device())
+    info = tf.config.experimental.get_memory_info(device)
     return info["current"] / MIB, info["peak"] / MIB
 
 
@@ -99,6 +99,7 @@ def child(config):
     import tensorflow as tf
 
     rss_imports = rss_mb()
+    device = training_device()
     (inputs, outputs), shape = _build(config["model"])
     rng = np.random.default_rng(0)
     x = rng.normal(size=(config["samples"], *shape)).astype("float32")
@@ -122,7 +123,8 @@ def child(config):
 
     class Record(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            per_step.append([round(v, 1) for v in (rss_mb(), peak_rss_mb(), *_tf_memory_mb())])
+            figures = (rss_mb(), peak_rss_mb(), *_tf_memory_mb(device))
+            per_step.append([round(v, 1) for v in figures])
             if batch + 1 == first_group and resettable:
                 steady["rss_at_reset_mb"] = rss_mb()
                 reset_peak_rss()
@@ -131,17 +133,17 @@ def child(config):
 
     gc.collect()
     baseline = rss_mb()
-    tf_baseline, _ = _tf_memory_mb()
+    tf_baseline, _ = _tf_memory_mb(device)
     try:
         reset_peak_rss()
         resettable = True
     except OSError:  # not Linux, or not allowed: the peak then spans the whole life
         resettable = False
-    tf.config.experimental.reset_memory_stats(training_device())
+    tf.config.experimental.reset_memory_stats(device)
     model.fit(dataset, epochs=1, steps_per_epoch=config["steps"], verbose=0, callbacks=[Record()])
     peak = peak_rss_mb()  # since the reset after the first group, if any
     overall = max(peak, per_step[first_group - 1][1]) if steady else peak
-    tf_current, tf_peak = _tf_memory_mb()
+    tf_current, tf_peak = _tf_memory_mb(device)
     import resource
 
     return {

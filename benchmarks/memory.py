@@ -44,7 +44,9 @@ from benchmarks._common import (
     KERAS_BUILTIN,
     LIBRARY,
     PLAIN,
+    add_parts,
     alternate,
+    chosen_parts,
     median,
     parser,
     print_table,
@@ -204,18 +206,15 @@ def print_setup(name, setup, how):
 def main():
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3, help="fresh processes per configuration")
-    p.add_argument(
-        "--models", default="mobilenetv2,mlp", help="comma-separated: " + ",".join(SETUPS)
-    )
-    p.add_argument("--modes", default="graph,jit", help="comma-separated: graph,jit")
+    add_parts(p, SETUPS)
     args = p.parse_args()
+    models, modes = chosen_parts(p, args, SETUPS)
     quick = args.quick
     repeats = 1 if quick else args.repeats
     if quick:
         plan = {"dense": ({"kind": "dense"}, 2, 4)}
     else:
-        plan = {name: SETUPS[name] for name in args.models.split(",")}
-    modes = args.modes.split(",")
+        plan = {name: SETUPS[name] for name in models}
     how = (
         "all in one process (--quick: figures meaningless)"
         if quick

@@ -30,6 +30,8 @@ from benchmarks._common import (
     LABELS,
     LIBRARY,
     PLAIN,
+    add_parts,
+    chosen_parts,
     classification_data,
     compiled,
     dense_model,
@@ -98,23 +100,14 @@ def measure(kind, mode, rounds, groups, micro_batch):
 
 def main():
     p = parser(__doc__.splitlines()[0])
-    names = ",".join(MODELS)
-    p.add_argument("--models", default=names, help=f"comma-separated: {names}")
-    p.add_argument("--modes", default="graph,jit", help="comma-separated: graph,jit")
+    add_parts(p, MODELS)
     args = p.parse_args()
+    models, modes = chosen_parts(p, args, MODELS)
     quick = args.quick
     micro_batch = 8 if quick else 16
-    cases = QUICK_CASES if quick else FULL_CASES
-    models, modes = args.models.split(","), args.modes.split(",")
-    for name in models:
-        if name not in MODELS:
-            p.error(f"`--models`: unknown model {name!r}; the models are {', '.join(MODELS)}")
-    for mode in modes:
-        if mode not in ("graph", "jit"):
-            p.error(f"`--modes`: unknown mode {mode!r}; the modes are graph, jit")
     payload = []
-    for kind, mode, rounds, groups in cases:
-        if not quick and (kind not in models or mode not in modes):
+    for kind, mode, rounds, groups in QUICK_CASES if quick else FULL_CASES:
+        if kind not in models or mode not in modes:
             continue
         payload.append(measure(kind, mode, rounds, groups, micro_batch))
         r = payload[-1]

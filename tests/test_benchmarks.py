@@ -135,6 +135,21 @@ def test_logical_cpu_benchmarks_refuse_device_gpu(tmp_path, name):
     assert "`--device gpu` is not supported by this script" in result.stderr
 
 
+@pytest.mark.parametrize("name", ["step_time", "memory"])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--models", "dens"], "`--models`: unknown name 'dens'"),
+        (["--modes", "xla"], "`--modes`: unknown name 'xla'"),
+        (["--quick", "--modes", "jit"], "`--quick` runs its own tiny case"),
+    ],
+)
+def test_a_part_that_cannot_run_is_refused(tmp_path, name, args, message):
+    result = run_failing([f"benchmarks.{name}", *args, "--out", tmp_path])
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
 def test_every_benchmark_is_run_here():
     scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.stem.startswith("_")}
     assert scripts == set(EXPECTED)

@@ -7,10 +7,14 @@ import tensorflow as tf
 from gradient_accumulator.engine import GradientAccumulator
 
 
+def _captured(graph, variable):
+    """``graph``'s internal tensors for ``variable``'s captured handle."""
+    return [inside for outside, inside in graph.captures if outside is variable.handle]
+
+
 def _ops_using(graph, variable):
     """Types of the top-level ops of ``graph`` that take ``variable``'s handle."""
-    handle = variable.handle
-    internal = [inside for outside, inside in graph.captures if outside is handle]
+    internal = _captured(graph, variable)
     return sorted(
         op.type for op in graph.get_operations() if any(t is i for t in op.inputs for i in internal)
     )
@@ -84,7 +88,7 @@ def test_reset_after_a_non_finite_gradient_overwrites_when_checking():
 
 def _branch_inputs(graph, variable):
     """The update conditional's taken branch, and its inputs that are ``variable``'s handle."""
-    internal = [inside for outside, inside in graph.captures if outside is variable.handle]
+    internal = _captured(graph, variable)
     (cond,) = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
     branch = graph._get_function(cond.get_attr("then_branch").name).graph
     # The If op's inputs after the condition are the branch's inputs, in order.
