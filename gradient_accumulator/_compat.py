@@ -19,6 +19,13 @@ import tensorflow as tf
 # exports no name for it. Used to tell graph models from subclassed ones.
 from keras.src.models.functional import Functional  # noqa: E402, F401  # isort: skip
 
+# What Keras's saving walks: an attribute of a model holding one of these gets
+# an entry of its own in `.keras` and `.weights.h5` files (at the attribute's
+# name), which a model without that attribute never reads. No public base class
+# gives that without being a layer, metric or optimizer (which the model would
+# track and list). The model wrapper keeps its accumulation state there.
+from keras.src.saving.keras_saveable import KerasSaveable  # noqa: E402, F401  # isort: skip
+
 # Keras's TensorFlow optimizer sums gradients across replicas in this method,
 # after clipping, inside `apply`; there is no public switch to turn it off
 # (see `distribute.gradients_already_reduced`, which replaces it per instance).

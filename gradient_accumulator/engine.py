@@ -36,6 +36,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from gradient_accumulator._compat import KerasSaveable
 from gradient_accumulator.distribute import (
     gradients_already_reduced,
     supports_collectives_in_conditionals,
@@ -54,6 +55,36 @@ CLASSES_KEY = STATE_KEY_PREFIX + "classes"
 def without_state(store):
     """The entries of a Keras weights store that are not accumulation state."""
     return {key: store[key] for key in store.keys() if not key.startswith(STATE_KEY_PREFIX)}
+
+
+class StateEntry(KerasSaveable):
+    """The accumulation state's own entry in Keras weights files (``.keras``, ``.weights.h5``).
+
+    Keras's saving writes an attribute of a model that holds one at the
+    attribute's path, after the model's layers, and reads it back on
+    loading. The plain Keras model of the same graph has no such attribute:
+    it loads the file and never reads the entry, and a file that it saved has
+    no entry, which the owner's ``load`` receives as an empty store.
+
+    Args:
+        save: Callable ``(store) -> None`` writing the state.
+        load: Callable ``(store) -> None`` restoring it (``store`` may be empty).
+    """
+
+    def __init__(self, save, load):
+        # Callables, not the owner: Keras walks a saveable's attributes, and
+        # one holding its owner would walk the owner again.
+        self._save = save
+        self._load = load
+
+    def _obj_type(self):
+        return "Layer"
+
+    def save_own_variables(self, store):
+        self._save(store)
+
+    def load_own_variables(self, store):
+        self._load(store)
 
 
 @contextlib.contextmanager
@@ -508,18 +539,40 @@ class GradientAccumulator(tf.Module):
             routing = [[c for c in row if c >= 0] for row in np.asarray(store[CLASSES_KEY])]
             self.configure_classes(routing, variables)
         state = self.state_variables
-        if len(saved) != len(state):
+        saved_shapes = [tuple(np.shape(store[f"{STATE_KEY_PREFIX}{i}"])) for i in range(len(saved))]
+        shapes = [tuple(variable.shape) for variable in state]
+        if saved_shapes != shapes:
+            # The weights that the file holds do not fit either (Keras says so
+            # for the layer that differs): the sums are another model's.
             warnings.warn(
                 f"Not restoring the accumulation state of {owner}: the file holds "
-                f"{len(saved)} accumulation variables, there are {len(state)}. "
-                "Training starts a new accumulation group.",
+                f"{len(saved)} accumulation variables of other shapes than its "
+                f"{len(state)}. Training starts a new accumulation group.",
                 stacklevel=3,
             )
+            self.empty_group()
             return
         for i, variable in enumerate(state):
             # An array: Keras < 3.14's weight files hand out h5py datasets,
             # which TensorFlow variables cannot take under tf.distribute.
             variable.assign(np.asarray(store[f"{STATE_KEY_PREFIX}{i}"]))
+
+    def empty_group(self):
+        """Empties the group eagerly: no micro-step pending (``update_count`` is kept).
+
+        What loading a weights file without accumulation state means: the
+        file's weights with no group pending.
+        """
+        sums = list(self.gradient_sums)
+        if self._classes is not None:
+            sums += list(self.class_gradient_sums)
+        for acc in sums:
+            acc.assign(tf.zeros(acc.shape, acc.dtype))
+        for total in self._weight_sums():
+            total.assign(0.0)
+        for reference in self._group_references():
+            reference.assign(1.0)
+        self.micro_step.assign(0)
 
     def matches(self, variables):
         """Whether this accumulator was built for exactly ``variables``."""

@@ -141,8 +141,8 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             counts from the end; ``1`` for ``channels_first`` images).
             Default ``-1``.
         momentum: Float in ``[0, 1]``, momentum of the moving averages, applied
-            once per update. Default ``0.99``, Keras's (gradient_accumulator
-            0.5 defaulted to ``0.9``).
+            once per update. Default ``0.99``, Keras's (and
+            gradient_accumulator 0.5's).
         epsilon: Float > 0 added to the variance before dividing. Default
             ``1e-3``.
         center: Boolean, whether to add the learned offset ``beta``. Default

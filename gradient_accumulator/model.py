@@ -20,7 +20,7 @@ from gradient_accumulator._compat import (
 )
 from gradient_accumulator.agc import adaptive_clip_gradients, check_agc_arguments
 from gradient_accumulator.distribute import AverageBatchNormStatistics, logs_for_keras
-from gradient_accumulator.engine import GradientAccumulator, update_step_scope, without_state
+from gradient_accumulator.engine import GradientAccumulator, StateEntry, update_step_scope
 from gradient_accumulator.optimizer import check_optimizer_does_not_accumulate
 from gradient_accumulator.validation import (
     check_accum_steps,
@@ -56,14 +56,27 @@ _KERAS_ARGUMENTS = {"inputs", "outputs", "name", "trainable"} | {
     if parameter.kind is inspect.Parameter.KEYWORD_ONLY
 }
 
+
+
+def _mixed_precision_advice(value):
+    if value is False:
+        return (
+            "delete the argument: `False` was gradient_accumulator 0.5's default, and "
+            "the dtype policy now decides (float32 unless one is set)."
+        )
+    return (
+        "set the dtype policy before building the model, "
+        "`keras.mixed_precision.set_global_policy('mixed_float16')`; `compile()` then "
+        "wraps the optimizer in a `LossScaleOptimizer` by itself (an argument of "
+        "gradient_accumulator 0.5)."
+    )
+
+
 # Arguments of gradient_accumulator 0.5 (and a slip of its README) that this
 # wrapper no longer takes, with what to do instead.
 _REMOVED_ARGUMENTS = {
     "agc": "enable adaptive gradient clipping with `use_agc=True` (and `clip_factor`, `eps`).",
-    "mixed_precision": "set the dtype policy before building the model, "
-    "`keras.mixed_precision.set_global_policy('mixed_float16')`; `compile()` then "
-    "wraps the optimizer in a `LossScaleOptimizer` by itself (an argument of "
-    "gradient_accumulator 0.5).",
+    "mixed_precision": _mixed_precision_advice,
     "experimental_distributed_support": "distribution needs no flag: create and "
     "compile the model inside `strategy.scope()` (an argument of gradient_accumulator 0.5).",
 }
@@ -108,9 +121,19 @@ def _fit_batch_spec(arguments):
     return tuple(specs)
 
 
-def _batch_size(x):
-    first = next(t for t in keras.tree.flatten(x) if t is not None)
-    return ops.shape(first)[0]
+def _batch_size(x, y):
+    """The batch's rows: the leading dimension of its first tensor, ``x``'s before ``y``'s.
+
+    Call after the forward pass, which refuses a ``None`` for a required input
+    with Keras's own error.
+    """
+    for t in (*keras.tree.flatten(x), *keras.tree.flatten(y)):
+        if t is not None:
+            return ops.shape(t)[0]
+    raise ValueError(
+        "A train step received a batch without any tensor: `x` and `y` are both "
+        "None or empty. Pass the data to `fit`. Received: x=None, y=None"
+    )
 
 
 def _first_replica(strategy, value):
@@ -199,6 +222,9 @@ class GradientAccumulateModel(keras.Model):
     the unwrapped model's structure) but are saved by ``save_weights``,
     ``.keras`` files, ``BackupAndRestore`` and ``tf.train.Checkpoint``, so a
     run resumed in the middle of a group ends where an uninterrupted one does.
+    In weights files they have an entry of their own, written only while a
+    group is pending: the plain Keras model of the same graph loads the
+    file, and a file it saved loads here with no group pending.
 
     Args:
         accum_steps: Integer >= 1, micro-batches per optimizer update. ``1``
@@ -275,6 +301,12 @@ class GradientAccumulateModel(keras.Model):
         self.use_agc, self.clip_factor, self.eps = check_agc_arguments(use_agc, clip_factor, eps)
         super().__init__(*args, **kwargs)
         self._accumulator = None
+        # The accumulation state's entry in weights files, apart from the
+        # model's own variables, so that the plain model of the same graph
+        # loads the file (and a file without it loads here).
+        self._accumulation_state = StateEntry(
+            self._save_accumulation_state, self._load_accumulation_state
+        )
         if self.built:
             # A functional model is built here: refuse a mismatch now, not at `fit`.
             self._check_statistics_layers()
@@ -321,7 +353,6 @@ class GradientAccumulateModel(keras.Model):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self._check_trainable_variables_unchanged()
         variables = self.trainable_variables
-        batch_size = _batch_size(x)
         accumulator = self._accumulator
         # Keras < 3.7 ends an epoch whose steps are not a multiple of
         # `steps_per_execution` with a step that has no batch: it fails at
@@ -344,6 +375,7 @@ class GradientAccumulateModel(keras.Model):
             tf.GradientTape(persistent=plan is not None) as tape,
         ):
             y_pred = self(x, training=True)
+            batch_size = _batch_size(x, y)
             with recorded_loss_reductions() as reductions:
                 loss = compute_training_loss(self, x, y, y_pred, sample_weight)
             arguments = (
@@ -497,9 +529,9 @@ class GradientAccumulateModel(keras.Model):
         found = {}
 
         def probe(x, y, sample_weight):
-            batch_size = _batch_size(x)
             with update_step_scope(tf.constant(False)), tf.GradientTape(persistent=True) as tape:
                 y_pred = self(x, training=True)
+                batch_size = _batch_size(x, y)
                 with recorded_loss_reductions() as reductions:
                     loss = compute_training_loss(self, x, y, y_pred, sample_weight)
                 data_extras = len(self.losses) > weight_only_loss_count(self)
@@ -615,15 +647,18 @@ class GradientAccumulateModel(keras.Model):
         """
         return {name: getattr(self, name) for name in _WRAPPER_ARGUMENTS}
 
-    def save_own_variables(self, store):
-        super().save_own_variables(store)
-        if self._accumulator is not None:
+    def _save_accumulation_state(self, store):
+        # Only a pending group has state to keep: without one the entry is
+        # empty, as in a plain model's file (always so at accum_steps=1).
+        if self._accumulator is not None and int(self._accumulator.micro_step.numpy()) > 0:
             self._accumulator.save_state(store)
 
-    def load_own_variables(self, store):
-        super().load_own_variables(without_state(store))
+    def _load_accumulation_state(self, store):
+        # A file holds the weights of one moment: with its group's state, or
+        # (saved by a plain model) with no group pending.
         self._ensure_accumulator()
         with self.distribute_strategy.scope():
+            self._accumulator.empty_group()
             self._accumulator.load_state(
                 store, f"model '{self.name}'", variables=self.trainable_variables
             )

@@ -235,9 +235,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     are scatter-added into a dense float32 sum, which merges duplicate indices
     by summation, and the inner optimizer receives a dense gradient at the
     update: the result equals the inner optimizer's step on the densified
-    gradient of the big batch. (Keras's sparse Adam, given the raw
-    ``IndexedSlices`` of the big batch, squares duplicate rows before summing
-    them, so it differs slightly on repeated tokens.) Memory: the sum is one
+    gradient of the big batch. (Keras's sparse Adam, RMSprop and Adagrad,
+    given the raw ``IndexedSlices`` of the big batch, square each row before
+    summing repeated ones, which is not that step: see "My Embedding model
+    does not match plain Keras" in the troubleshooting guide.) Memory: the sum is one
     dense float32 copy of each embedding table, and an update step makes one
     more transient copy (the mean gradient); the sum is zeroed in place.
 

@@ -64,7 +64,8 @@ def check_keyword_arguments(owner, kwargs, accepted, removed=None):
         accepted: Iterable of the argument names ``owner`` takes (used for the
             "did you mean" suggestion too).
         removed: Optional dict mapping names that earlier releases (or other
-            libraries) took to a sentence saying what to do instead.
+            libraries) took to a sentence saying what to do instead, or to a
+            callable returning that sentence for the value received.
 
     Raises:
         ValueError: For the first argument not in ``accepted``, naming it, the
@@ -76,8 +77,9 @@ def check_keyword_arguments(owner, kwargs, accepted, removed=None):
         if name in accepted:
             continue
         if name in removed:
+            advice = removed[name](value) if callable(removed[name]) else removed[name]
             raise ValueError(
-                f"`{owner}` does not take `{name}`: {removed[name]} Received: {name}={value!r}"
+                f"`{owner}` does not take `{name}`: {advice} Received: {name}={value!r}"
             )
         close = difflib.get_close_matches(name, sorted(accepted), n=1, cutoff=0.6)
         hint = f"Did you mean `{close[0]}`? " if close else ""

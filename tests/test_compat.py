@@ -184,3 +184,11 @@ def test_loss_reductions_are_recorded_with_what_keras_combined():
     assert np.asarray(mask).tolist() == [[True, True, False], [True, False, False]]
     loss_fn(keras.ops.zeros((2, 3, 1)), keras.ops.ones((2, 3, 1)))  # outside: not recorded
     assert len(records) == 1
+
+
+def test_keras_saving_walks_keras_saveable_attributes():
+    # The model wrapper's accumulation state has its own entry in weights
+    # files through an attribute holding a `_compat.KerasSaveable`.
+    assert issubclass(keras.layers.Layer, _compat.KerasSaveable), _changed(
+        "keras.src.saving.keras_saveable.KerasSaveable", "layers no longer derive from it"
+    )

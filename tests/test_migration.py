@@ -102,6 +102,52 @@ def model_experimental_distributed_support():
     )
 
 
+def model_mixed_precision_false():
+    from gradient_accumulator import GradientAccumulateModel
+
+    _raises(
+        lambda: build_dense(GradientAccumulateModel, accum_steps=4, mixed_precision=False),
+        r"does not take `mixed_precision`: delete the argument: `False` was "
+        r"gradient_accumulator 0\.5's default.*Received: mixed_precision=False",
+    )
+
+
+class SubclassedModel(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(3, activation="tanh")
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def model_wrap_existing():
+    from gradient_accumulator import GradientAccumulateModel
+
+    keras.utils.set_random_seed(0)
+    sequential = keras.Sequential([keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)])
+    sequential.build((None, 5))
+    # 0.5's way fails on a Keras 3 Sequential model (Keras's own error).
+    with pytest.raises((AttributeError, ValueError), match="has never been called"):
+        GradientAccumulateModel(accum_steps=4, inputs=sequential.input, outputs=sequential.output)
+    functional = build_dense()
+    x = np.random.default_rng(0).normal(size=(16, 5)).astype("float32")
+    y = np.ones((16, 1), "float32")
+    for existing in (sequential, functional, SubclassedModel()):
+        # The one way for every kind of model: call it on new inputs.
+        inputs = keras.Input((5,))
+        model = GradientAccumulateModel(accum_steps=4, inputs=inputs, outputs=existing(inputs))
+        before = model.predict(x, verbose=0)
+        np.testing.assert_array_equal(before, existing.predict(x, verbose=0))
+        model.compile("sgd", "mse")
+        model.fit(x, y, batch_size=4, verbose=0)
+        assert int(model.optimizer.iterations.numpy()) == 1  # 4 micro-batches, 1 update
+        # The existing model's own weights are the ones trained.
+        np.testing.assert_array_equal(model.predict(x, verbose=0), existing.predict(x, verbose=0))
+        assert not np.array_equal(before, existing.predict(x, verbose=0))
+
+
 def model_agc_of_the_readme():
     from gradient_accumulator import GradientAccumulateModel
 
@@ -154,8 +200,26 @@ def batchnorm_arguments():
 def batchnorm_default_momentum():
     from gradient_accumulator import AccumBatchNormalization
 
-    # The one changed default: Keras's 0.99 (0.5: 0.9). Pass momentum=0.9 to keep 0.5's.
+    # Unchanged: 0.5.0 to 0.5.2 defaulted to 0.99 too (as Keras does).
     assert AccumBatchNormalization(accum_steps=4).momentum == 0.99
+
+
+def batchnorm_one_layer_several_ranks():
+    from gradient_accumulator import AccumBatchNormalization
+
+    images = np.ones((2, 4, 4, 3), "float32")
+    vectors = np.ones((2, 3), "float32")
+    errors = []
+    for layer_class in (keras.layers.BatchNormalization, AccumBatchNormalization):
+        shared = layer_class()
+        shared(images)
+        with pytest.raises(ValueError, match="expected ndim=4, found ndim=2") as raised:
+            shared(vectors)
+        errors.append(str(raised.value).replace(shared.name, "<layer>"))
+    assert errors[1] == errors[0]  # refused as Keras's own layer refuses it
+    # The fix: one layer per input.
+    assert AccumBatchNormalization()(images).shape == images.shape
+    assert AccumBatchNormalization()(vectors).shape == vectors.shape
 
 
 def replace_with_position():
@@ -202,6 +266,8 @@ ROWS = {
         model_accum_steps,
         model_agc_arguments,
         model_mixed_precision,
+        model_mixed_precision_false,
+        model_wrap_existing,
         model_experimental_distributed_support,
         model_agc_of_the_readme,
         optimizer_name_and_accum_steps,
@@ -209,6 +275,7 @@ ROWS = {
         optimizer_lr_decay_clipnorm,
         batchnorm_arguments,
         batchnorm_default_momentum,
+        batchnorm_one_layer_several_ranks,
         replace_with_position,
         agc_adaptive_clip_grad,
         agc_norm_helpers,

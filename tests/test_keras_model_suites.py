@@ -1,0 +1,202 @@
+"""Keras's own model, trainer, saving and callback tests, every functional model a wrapper.
+
+Each test case of the Keras test modules below runs unmodified, with
+``keras.Model(inputs, outputs)`` (and ``Functional(inputs, outputs)``)
+returning ``GradientAccumulateModel(accum_steps=1, inputs=..., outputs=...)``:
+at ``accum_steps=1`` the wrapper must pass everything a plain functional
+model passes. The tests that fail for a reason inherent to a wrapper (a class
+of its own, constructor arguments of its own) are listed in
+``INHERENT_FAILURES`` with the reason, and run as strict expected failures: a
+listed test that starts passing fails here too. Subclassed and ``Sequential``
+models are Keras's own; ``tests/test_model.py`` has the wrapper's functional
+twins of ``trainer_test.py``'s ``fit``/``evaluate`` cases, which build a
+subclassed model.
+
+Keras ships its tests in the wheel from 3.15 on; with an older Keras this
+module collects nothing but one skipped placeholder.
+"""
+
+import importlib
+import inspect
+import unittest
+from unittest import mock
+
+import keras
+import pytest
+
+from gradient_accumulator import GradientAccumulateModel
+from gradient_accumulator._compat import Functional
+
+# Keras's test modules; an entry that does not import (an older Keras
+# wheel, or a test module needing a package we do not install) is skipped.
+KERAS_TEST_MODULES = (
+    "keras.src.models.functional_test",
+    "keras.src.models.model_test",
+    "keras.src.trainers.trainer_test",
+    "keras.src.saving.saving_api_test",
+    "keras.src.saving.saving_lib_test",
+    "keras.src.saving.serialization_lib_test",
+    "keras.src.saving.object_registration_test",
+    "keras.src.saving.file_editor_test",
+    "keras.src.callbacks.backup_and_restore_test",
+    "keras.src.callbacks.callback_test",
+    "keras.src.callbacks.csv_logger_test",
+    "keras.src.callbacks.early_stopping_test",
+    "keras.src.callbacks.lambda_callback_test",
+    "keras.src.callbacks.learning_rate_scheduler_test",
+    "keras.src.callbacks.model_checkpoint_test",
+    "keras.src.callbacks.monitor_callback_test",
+    "keras.src.callbacks.reduce_lr_on_plateau_test",
+    "keras.src.callbacks.swap_ema_weights_test",
+    "keras.src.callbacks.terminate_on_nan_test",
+    "keras.src.export.saved_model_test",
+)
+
+# "<module>::<class>::<test>" -> why a wrapper cannot pass it (strict: a
+# listed test that passes fails the run).
+_LEGACY_H5 = (
+    "Keras's legacy `.h5` loader finds a model's class by its bare name, not "
+    "its registered one, as for any Model subclass: `load_model(path, "
+    "custom_objects={'GradientAccumulateModel': GradientAccumulateModel})` loads it "
+    "(tests/test_model.py::test_a_legacy_h5_file_loads_with_custom_objects)"
+)
+INHERENT_FAILURES = {
+    "keras.src.saving.saving_lib_test::SavingAPITest::test_model_api_endpoint_h5": _LEGACY_H5,
+    "keras.src.saving.saving_lib_test::SavingBattleTest::test_legacy_h5_format": _LEGACY_H5,
+    "keras.src.saving.saving_lib_test::SavingBattleTest::test_normalization_legacy_h5_format": (
+        _LEGACY_H5
+    ),
+}
+
+# Tests that fail on plain Keras models too, in the versions CI installs
+# (not strict: they may pass once Keras or h5py changes).
+FAILING_WITHOUT_THE_WRAPPER = {
+    f"keras.src.saving.file_editor_test::SavingTest::{test}": (
+        "Keras 3.15.1's KerasFileEditor cannot read its own file with h5py 3.14 "
+        "(KeyError: bad object header version number), plain model or not"
+    )
+    for test in ("test_basics", "test_scalar_weight")
+}
+FAILING_WITHOUT_THE_WRAPPER[
+    "keras.src.saving.saving_lib_test::SavingBattleTest::"
+    "test_legacy_load_skips_missing_nested_containers"
+] = "Keras 3.15.1 with h5py 3.14 (the same error), plain model or not"
+
+
+def _returning_the_wrapper(original):
+    # `keras.Model.__new__` picks the class of a `Model(inputs, outputs)`
+    # call (`Functional` has its own); both are patched for each test.
+    def __new__(cls, *args, **kwargs):
+        # Keras's rule for a functional call: `(inputs, outputs)`, given
+        # positionally or by keyword.
+        if cls in (keras.Model, Functional) and (len(args) == 2 or "outputs" in kwargs):
+            return original(GradientAccumulateModel, *args, **kwargs)
+        return original(cls, *args, **kwargs)
+
+    return staticmethod(__new__)
+
+
+def _ensure_wrapper_is_functional():
+    # Keras makes a Model subclass a Functional subclass at its first
+    # functional construction; `Functional(...)` returns the wrapper only
+    # once that happened (Python then runs the wrapper's `__init__`).
+    inputs = keras.Input((1,))
+    GradientAccumulateModel(inputs=inputs, outputs=keras.layers.Dense(1)(inputs))
+    assert issubclass(GradientAccumulateModel, Functional)
+
+
+def _with_wrapper(case):
+    """A subclass of Keras's test case whose functional models are wrappers."""
+    original_set_up = case.setUp
+
+    def setUp(self):
+        _ensure_wrapper_is_functional()
+        for owner in (keras.Model, Functional):
+            patcher = mock.patch.object(
+                owner, "__new__", _returning_the_wrapper(owner.__dict__["__new__"].__func__)
+            )
+            patcher.start()
+            self.addCleanup(patcher.stop)
+        original_set_up(self)
+        keras.utils.set_random_seed(0)
+
+    namespace = {"setUp": setUp, "__module__": __name__}
+    for listed, strict in ((INHERENT_FAILURES, True), (FAILING_WITHOUT_THE_WRAPPER, False)):
+        for name, reason in listed.items():
+            module, class_name, test = name.split("::")
+            if module == case.__module__ and class_name == case.__name__:
+                method = getattr(case, test)
+                namespace[test] = pytest.mark.xfail(strict=strict, reason=reason)(method)
+    return type(f"TestWrapped_{case.__module__.split('.')[-1]}_{case.__name__}", (case,), namespace)
+
+
+def _cases(module):
+    return [
+        value
+        for _, value in inspect.getmembers(module, inspect.isclass)
+        if issubclass(value, unittest.TestCase)
+        and value.__module__ == module.__name__
+        and any(name.startswith("test") for name in dir(value))
+    ]
+
+
+_collected = 0
+for _name in KERAS_TEST_MODULES:
+    try:
+        _module = importlib.import_module(_name)
+    except ImportError:
+        continue
+    for _case in _cases(_module):
+        _wrapped = _with_wrapper(_case)
+        globals()[_wrapped.__name__] = _wrapped
+        _collected += 1
+    del _module
+if _collected:
+    del _case, _wrapped  # pytest would collect them again under these names
+
+if not _collected:
+
+    @pytest.mark.skip(reason=f"Keras {keras.__version__} ships no tests")
+    def test_keras_model_suites_through_the_wrapper():
+        """Stands for the wrapped Keras test cases where the Keras wheel has none."""
+
+
+def test_the_patch_makes_functional_models_wrappers():
+    # The harness itself: inside a wrapped case, `keras.Model(inputs,
+    # outputs)` is the wrapper at accum_steps=1, and subclasses are not.
+    case = type("Probe", (_with_wrapper(_Probe),), {"__test__": True})("test_probe")
+    result = unittest.TestResult()
+    case.run(result)
+    assert result.wasSuccessful(), result.errors + result.failures
+    # Outside a wrapped case, Keras is as it was.
+    inputs = keras.Input((2,))
+    assert type(keras.Model(inputs, keras.layers.Dense(1)(inputs))) is Functional
+
+
+class _Probe(unittest.TestCase):
+    __test__ = False  # run by the test above, inside the harness
+
+    def test_probe(self):
+        inputs = keras.Input((2,))
+        outputs = keras.layers.Dense(1)(inputs)
+        for model in (
+            keras.Model(inputs, outputs),
+            keras.Model(inputs, outputs=outputs),
+            keras.Model(inputs=inputs, outputs=outputs),
+            Functional(inputs, outputs),
+        ):
+            assert type(model) is GradientAccumulateModel and model.accum_steps == 1
+
+        class Subclassed(keras.Model):
+            pass
+
+        assert type(Subclassed(inputs, outputs)) is Subclassed
+
+
+@pytest.mark.skipif(not _collected, reason=f"Keras {keras.__version__} ships no tests")
+def test_every_listed_failure_names_a_keras_test():
+    for name in (*INHERENT_FAILURES, *FAILING_WITHOUT_THE_WRAPPER):
+        module, class_name, test = name.split("::")
+        case = getattr(importlib.import_module(module), class_name)
+        found = callable(getattr(case, test, None))
+        assert found, f"{name}: no such test in Keras {keras.__version__}"
