@@ -452,7 +452,7 @@ def print_table(title, header, rows):
 def save(out, name, payload, plot=None):
     """Writes ``<out>/<name>.json`` and, if ``plot`` is given, ``<out>/<name>.png``.
 
-    ``plot(ax)`` draws on a matplotlib axis.
+    ``plot(ax)`` draws on a matplotlib axis (see :func:`save_plot`).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -460,15 +460,25 @@ def save(out, name, payload, plot=None):
     (out / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
     paths = [out / f"{name}.json"]
     if plot is not None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
-        plot(ax)
-        fig.tight_layout()
-        fig.savefig(out / f"{name}.png")
-        plt.close(fig)
-        paths.append(out / f"{name}.png")
+        paths.append(save_plot(out, name, plot))
     print("\nwrote " + ", ".join(str(p) for p in paths))
+
+
+def save_plot(out, name, plot):
+    """Draws ``plot(ax)`` on a new figure and writes it to ``<out>/<name>.png``; returns the path.
+
+    Needs no TensorFlow: a script can redraw its plots from a saved JSON file.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    plot(ax)
+    fig.tight_layout()
+    fig.savefig(out / f"{name}.png")
+    plt.close(fig)
+    return out / f"{name}.png"

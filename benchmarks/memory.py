@@ -35,8 +35,15 @@ medians over repeats.
 
 Run: ``python -m benchmarks.memory`` (all four setups, 3 repeats;
 ``--models mlp --modes jit`` for a part; ``--quick`` for CI: a small dense
-model, all configurations in one process, figures meaningless).
+model, all configurations in one process, figures meaningless). It writes
+``memory.json``, ``memory.png`` (every setup against the goal) and
+``memory_<model>_<mode>.png`` (one setup's peaks); ``--plot-only
+memory.json`` draws the PNGs again from a saved JSON file, measuring nothing.
 """
+
+import json
+import math
+from pathlib import Path
 
 import numpy as np
 
@@ -51,6 +58,7 @@ from benchmarks._common import (
     parser,
     print_table,
     save,
+    save_plot,
 )
 from benchmarks._memory import measure
 
@@ -77,6 +85,17 @@ SETUPS = {
     "mobilenetv2": ({"kind": "mobilenetv2", "size": 128, "alpha": 1.0}, 8, 16),
     "mlp": ({"kind": "mlp", "features": 1024, "width": 4096}, 4, 16),
 }
+
+
+def shown_ratio(extra_mb, plain_b_extra_mb):
+    """``extra / plain b's extra`` as the table and the plots show it.
+
+    Both figures are shown in whole MiB beside the ratio, so the ratio is
+    theirs: dividing the shown figures gives the shown ratio (to its two
+    decimals). ``nan`` when plain b's extra rounds to 0 MiB (``--quick``).
+    """
+    whole = round(plain_b_extra_mb)
+    return round(extra_mb) / whole if whole else math.nan
 
 
 def measure_setup(model, accum_steps, micro_batch, jit, repeats, quick):
@@ -156,7 +175,7 @@ def print_setup(name, setup, how):
             f"{r['peak_mb']:.0f}",
             f"{r['baseline_mb']:.0f}",
             f"{r['extra_mb']:.0f}",
-            f"{r['extra_over_plain_b']:.3f}",
+            f"{shown_ratio(r['extra_mb'], setup['results']['plain b']['extra_mb']):.2f}",
             f"{r['peak_minus_plain_b_mb']:+.0f}",
             f"{r['over_plain_b_per_accumulators']:.2f}",
             f"{r['steady_minus_plain_b_mb']:+.0f}",
@@ -203,12 +222,118 @@ def print_setup(name, setup, how):
         )
 
 
+def _label_above(ax, x, top, text, line):
+    """Writes ``text`` centred above ``top`` at ``x``; above ``line`` instead if it would cross it.
+
+    ``line`` is the level of a horizontal line. Measured in the axis's final
+    coordinates: call once its limits and the figure's layout are set.
+    """
+    gap = 3  # points between the label and what it stands on
+    label = ax.annotate(
+        text,
+        (x, top),
+        xytext=(0, gap),
+        textcoords="offset points",
+        ha="center",
+        va="bottom",
+        fontsize="small",
+    )
+    box = label.get_window_extent(ax.figure.canvas.get_renderer())
+    line_y = ax.transData.transform((x, line))[1]
+    if box.y0 - gap <= line_y <= box.y1 + gap:
+        label.xy = (x, line)
+    return label
+
+
+def plot_peaks(ax, name, setup):
+    """One setup's peak RSS per configuration: the idle process, the extra during ``fit``, the goal.
+
+    Each bar is labelled with its extra and :func:`shown_ratio`, the figures
+    of the printed table; no label crosses the goal line.
+    """
+    results = setup["results"]
+    names = list(results)
+    xs = np.arange(len(names))
+    idle = [results[n]["baseline_mb"] for n in names]
+    extra = [results[n]["extra_mb"] for n in names]
+    goal = results["plain b"]["peak_mb"] + setup["allowed_over_plain_b_mb"]
+    ax.bar(xs, idle, 0.6, color="lightgray", label="idle process (ready to train)")
+    ax.bar(xs, extra, 0.6, bottom=idle, label="extra during fit")
+    ax.axhline(
+        goal,
+        color="black",
+        linewidth=0.8,
+        linestyle="--",
+        label="goal: plain b + accumulators + 5% of its extra",
+    )
+    ax.set_xticks(xs, names)
+    ax.set_ylabel("peak RSS (MiB)")
+    ax.set_title(f"Training memory, {name} (k={setup['accum_steps']}, b={setup['micro_batch']})")
+    ax.set_ylim(0, 1.2 * max(goal, *(results[n]["peak_mb"] for n in names)))
+    ax.figure.tight_layout()  # the final layout, in which the labels are placed
+    floor_extra = results["plain b"]["extra_mb"]
+    for x, n in zip(xs, names):
+        r = results[n]
+        text = f"+{r['extra_mb']:.0f} MiB\n({shown_ratio(r['extra_mb'], floor_extra):.2f}x plain b)"
+        _label_above(ax, x, r["peak_mb"], text, goal)
+    ax.legend(fontsize="small", loc="best")  # after the labels: placed clear of them
+
+
+def plot_goals(ax, setups):
+    """Every setup's peak over plain b's, per accumulator byte, against the goal of 1.10."""
+    names = list(setups)
+    xs = np.arange(len(names))
+    for offset, config in ((-0.2, "library k x b"), (0.2, "built-in k x b")):
+        ax.bar(
+            xs + offset,
+            [setups[n]["results"][config]["over_plain_b_per_accumulators"] for n in names],
+            0.4,
+            label=config,
+        )
+    ax.axhline(1.10, color="black", linewidth=0.8, linestyle="--", label="goal 1.10")
+    ax.set_xticks(xs, names, fontsize="small")
+    ax.set_ylabel("(peak - plain b's peak) / accumulator bytes")
+    ax.set_title("Extra training memory of accumulation")
+    ax.legend(fontsize="small")
+
+
+def plot_files(out, name, payload):
+    """Writes ``<name>.png`` (:func:`plot_goals`) and ``<name>_<model>_<mode>.png`` per setup."""
+    setups = payload["setups"]
+    paths = [save_plot(out, name, lambda ax: plot_goals(ax, setups))]
+    for setup_name, setup in setups.items():
+        paths.append(
+            save_plot(
+                out,
+                f"{name}_{setup_name.replace('/', '_')}",
+                lambda ax, n=setup_name, s=setup: plot_peaks(ax, n, s),
+            )
+        )
+    print("wrote " + ", ".join(str(p) for p in paths))
+
+
 def main():
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3, help="fresh processes per configuration")
+    p.add_argument(
+        "--plot-only",
+        metavar="JSON",
+        help="draw the PNGs of a JSON file this script wrote, into --out; measure nothing",
+    )
     add_parts(p, SETUPS)
     args = p.parse_args()
     models, modes = chosen_parts(p, args, SETUPS)
+    if args.plot_only:
+        measuring = [
+            f"--{option}"
+            for option in ("quick", "repeats", "models", "modes")
+            if getattr(args, option) != p.get_default(option)
+        ]
+        if measuring:
+            p.error(f"`--plot-only` measures nothing: drop {', '.join(measuring)}.")
+        path = Path(args.plot_only)
+        plot_files(args.out, path.stem, json.loads(path.read_text()))
+        return
     quick = args.quick
     repeats = 1 if quick else args.repeats
     if quick:
@@ -227,28 +352,10 @@ def main():
             setups[f"{name}/{mode}"] = setup
             print_setup(name, setup, how)
 
-    def plot(ax):
-        names = list(setups)
-        xs = np.arange(len(names))
-        for offset, config in ((-0.2, "library k x b"), (0.2, "built-in k x b")):
-            ax.bar(
-                xs + offset,
-                [setups[n]["results"][config]["over_plain_b_per_accumulators"] for n in names],
-                0.4,
-                label=config,
-            )
-        ax.axhline(1.10, color="black", linewidth=0.8, linestyle="--", label="goal 1.10")
-        ax.set_xticks(xs, names, fontsize="small")
-        ax.set_ylabel("(peak - plain b's peak) / accumulator bytes")
-        ax.set_title("Extra training memory of accumulation")
-        ax.legend(fontsize="small")
-
-    save(
-        args.out,
-        "memory" + ("_quick" if quick else ""),
-        {"quick": quick, "repeats": repeats, "setups": setups},
-        plot,
-    )
+    stem = "memory" + ("_quick" if quick else "")
+    payload = {"quick": quick, "repeats": repeats, "setups": setups}
+    save(args.out, stem, payload)
+    plot_files(args.out, stem, payload)
 
 
 if __name__ == "__main__":

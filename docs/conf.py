@@ -26,7 +26,11 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.doctest",
     "sphinx.ext.viewcode",
+    # MathJax served from the built site's _static/mathjax (the package
+    # bundles MathJax 3 and sets mathjax_path), not from a CDN: the pages
+    # render their formulas offline too. tests/test_docs.py checks it.
     "sphinx.ext.mathjax",
+    "sphinx-mathjax-offline",
     # Local (docs/_ext): fails the build if a public name has no API entry;
     # shows Keras subclasses with their constructor's signature.
     "api_coverage",

@@ -14,16 +14,14 @@ Run: ``python examples/custom_loop.py`` (``--quick`` for a short run).
 """
 
 import argparse
-import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import _quiet_tensorflow  # noqa: F401  (before TensorFlow: hides its start-up log)
+import keras
+import numpy as np
+import tensorflow as tf
+from sklearn.datasets import load_digits
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-
-from gradient_accumulator import GradientAccumulateOptimizer  # noqa: E402
+from gradient_accumulator import GradientAccumulateOptimizer
 
 MICRO_BATCH = 8
 ACCUM_STEPS = 8

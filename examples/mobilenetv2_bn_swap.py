@@ -18,15 +18,13 @@ short run for CI).
 """
 
 import argparse
-import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import _quiet_tensorflow  # noqa: F401  (before TensorFlow: hides its start-up log)
+import keras
+import numpy as np
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-
-from gradient_accumulator import AccumBatchNormalization, GradientAccumulateModel  # noqa: E402
-from gradient_accumulator.utils import replace_batchnorm_layers  # noqa: E402
+from gradient_accumulator import AccumBatchNormalization, GradientAccumulateModel
+from gradient_accumulator.utils import replace_batchnorm_layers
 
 MICRO_BATCH = 8
 ACCUM_STEPS = 4

@@ -13,11 +13,9 @@ Run: ``python examples/multi_replica.py`` (``--quick`` for a short run).
 """
 
 import argparse
-import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import tensorflow as tf  # noqa: E402
+import _quiet_tensorflow  # noqa: F401  (before TensorFlow: hides its start-up log)
+import tensorflow as tf
 
 # --- devices --------------------------------------------------------------
 # Two logical CPU devices stand in for two GPUs. TensorFlow accepts this only

@@ -13,16 +13,14 @@ rounding, or a ``FAIL`` line and exit status 1.
 """
 
 import argparse
-import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import _quiet_tensorflow  # noqa: F401  (before TensorFlow: hides its start-up log)
+import keras
+import numpy as np
+from sklearn.datasets import load_digits
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-
-from gradient_accumulator import GradientAccumulateModel  # noqa: E402
+from gradient_accumulator import GradientAccumulateModel
 
 MICRO_BATCH = 8
 ACCUM_STEPS = 8

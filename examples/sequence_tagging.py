@@ -22,16 +22,14 @@ if the accumulating model is not within float32 rounding).
 """
 
 import argparse
-import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import _quiet_tensorflow  # noqa: F401  (before TensorFlow: hides its start-up log)
+import keras
+import numpy as np
+import tensorflow as tf
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from gradient_accumulator import (  # noqa: E402
+from gradient_accumulator import (
     GradientAccumulateModel,
     GradientAccumulateOptimizer,
 )

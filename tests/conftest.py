@@ -1,11 +1,29 @@
-"""Shared pytest configuration: quiet TensorFlow, restore global Keras state."""
+"""Shared pytest configuration: quiet TensorFlow, restore global Keras state, file the figures."""
 
 import os
+import platform
+import shlex
+from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+FIGURES_TITLE = "equivalence: measured max |diff| against the reference"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--equivalence-figures",
+        metavar="PATH",
+        help=(
+            "file to write the measured max |diff| of every equivalence assertion to "
+            "(default: build/equivalence/<Python, TensorFlow and Keras versions>.txt "
+            "under the rootdir); -v also prints them"
+        ),
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -23,11 +41,57 @@ def mixed_float16():
     keras.mixed_precision.set_global_policy("float32")
 
 
-def pytest_terminal_summary(terminalreporter):
+def _environment():
+    """The versions the figures were measured with, as a file name."""
+    return f"python{platform.python_version()}-tensorflow{tf.__version__}-keras{keras.__version__}"
+
+
+def _figures_path(config):
+    """``--equivalence-figures``, or one file per environment under ``build/`` (git ignores it).
+
+    One file per environment: CI runs the suite of several environments side by
+    side in one checkout (with ``-p no:cacheprovider``), each writes its own.
+    """
+    path = config.getoption("equivalence_figures")
+    if path is None:
+        return config.rootpath / "build" / "equivalence" / f"{_environment()}.txt"
+    return config.invocation_params.dir / path
+
+
+def _write_atomically(path, text):
+    """Writes this process's file beside ``path`` and renames it: never half a file at ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Writes the figures ``tests.helpers.MEASURED`` recorded to a file, names it in one line.
+
+    ``-v`` also prints them, as a section before that line.
+    """
     from tests.helpers import MEASURED
 
     if not MEASURED:
         return
-    terminalreporter.section("equivalence: measured max |diff| against the reference")
-    for test, diff in sorted(MEASURED.items()):
-        terminalreporter.write_line(f"{diff:10.3g}  {test}")
+    lines = [f"{diff:10.3g}  {test}" for test, diff in sorted(MEASURED.items())]
+    verbose = config.option.verbose > 0
+    if verbose:
+        terminalreporter.section(FIGURES_TITLE)
+        for line in lines:
+            terminalreporter.write_line(line)
+    path = _figures_path(config)
+    arguments = shlex.join(config.invocation_params.args)
+    header = [f"# {FIGURES_TITLE}", f"# {_environment()}; pytest {arguments}".rstrip()]
+    try:
+        _write_atomically(path, "\n".join(header + lines) + "\n")
+    except OSError as error:
+        written = f"not written ({error})"
+    else:
+        cwd = Path.cwd()
+        written = f"in {path.relative_to(cwd) if path.is_relative_to(cwd) else path}"
+    hint = "" if verbose else "; -v prints them"
+    terminalreporter.write_line(
+        f"equivalence: {len(lines)} measured max |diff| figures {written}{hint}"
+    )

@@ -155,6 +155,97 @@ def test_every_benchmark_is_run_here():
     assert scripts == set(EXPECTED)
 
 
+# ------------------------------------------------------------------------
+# benchmarks.memory's plots: drawn from the saved figures, the table's numbers
+# ------------------------------------------------------------------------
+
+# One setup of a saved memory.json, as on docs/benchmarks.rst: configuration:
+# (idle MiB, extra MiB). The goal line (plain b's peak + 53.5 MiB) passes
+# just above two bars, where labels standing on them would cross it.
+_MEMORY_FIGURES = {
+    "plain k*b": (721.4, 3264.8),
+    "library k x b": (733.0, 876.6),
+    "built-in k x b": (721.2, 1063.1),
+    "plain b": (720.6, 899.4),
+}
+
+
+def _memory_setup():
+    results = {
+        name: {"baseline_mb": idle, "extra_mb": extra, "peak_mb": idle + extra}
+        for name, (idle, extra) in _MEMORY_FIGURES.items()
+    }
+    floor_peak = results["plain b"]["peak_mb"]
+    for r in results.values():
+        r["over_plain_b_per_accumulators"] = (r["peak_mb"] - floor_peak) / 8.5
+    return {
+        "accum_steps": 8,
+        "micro_batch": 16,
+        "allowed_over_plain_b_mb": 8.5 + 0.05 * results["plain b"]["extra_mb"],
+        "results": results,
+    }
+
+
+def test_memory_ratio_is_that_of_the_shown_figures():
+    from benchmarks.memory import shown_ratio
+
+    # 876.6 / 899.4 = 0.9747 would show 0.97 beside "877" and "899"; 877 / 899 = 0.98.
+    assert f"{shown_ratio(876.6, 899.4):.2f}" == "0.98"
+    assert f"{shown_ratio(3264.8, 899.4):.2f}" == "3.63"
+    assert f"{shown_ratio(899.4, 899.4):.2f}" == "1.00"
+
+
+def test_memory_peaks_plot_labels_clear_the_goal_line():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from benchmarks.memory import plot_peaks
+
+    setup = _memory_setup()
+    # As benchmarks._common.save_plot draws it.
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    try:
+        plot_peaks(ax, "mobilenetv2/graph", setup)
+        fig.tight_layout()
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        goal = setup["results"]["plain b"]["peak_mb"] + setup["allowed_over_plain_b_mb"]
+        goal_y = ax.transData.transform((0, goal))[1]
+        labels = {text.get_text(): text.get_window_extent(renderer) for text in ax.texts}
+        assert set(labels) == {
+            "+3265 MiB\n(3.63x plain b)",
+            "+877 MiB\n(0.98x plain b)",
+            "+1063 MiB\n(1.18x plain b)",
+            "+899 MiB\n(1.00x plain b)",
+        }
+        for text, box in labels.items():
+            assert not box.y0 <= goal_y <= box.y1, f"the goal line crosses {text!r}"
+            assert ax.bbox.y0 < box.y0 and box.y1 < ax.bbox.y1, f"{text!r} is outside the axis"
+        assert ax.get_ylabel() == "peak RSS (MiB)"
+    finally:
+        plt.close(fig)
+
+
+def test_memory_plot_only_redraws_a_saved_run(tmp_path):
+    saved = tmp_path / "memory.json"
+    saved.write_text(json.dumps({"quick": False, "setups": {"mobilenetv2/graph": _memory_setup()}}))
+    stdout = run_python(
+        ["-m", "benchmarks.memory", "--plot-only", str(saved), "--out", str(tmp_path / "out")]
+    )
+    assert "wrote " in stdout
+    written = {p.name: p.stat().st_size for p in (tmp_path / "out").iterdir()}
+    assert set(written) == {"memory.png", "memory_mobilenetv2_graph.png"}
+    assert min(written.values()) > 1000
+
+
+def test_memory_plot_only_refuses_measuring_options(tmp_path):
+    result = run_failing(["benchmarks.memory", "--plot-only", tmp_path / "memory.json", "--quick"])
+    assert result.returncode == 2
+    assert "`--plot-only` measures nothing: drop --quick." in result.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_quick_run_writes_its_figures(quick, name):

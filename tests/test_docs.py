@@ -299,6 +299,63 @@ def test_api_coverage_passes_when_every_name_is_documented(tmp_path):
 
 
 # ------------------------------------------------------------------------
+# Formulas render offline: the math script is served with the site
+# ------------------------------------------------------------------------
+
+
+def _conf_literals():
+    """docs/conf.py's top-level assignments of literal values, read without running it."""
+    values = {}
+    for node in ast.parse((DOCS / "conf.py").read_text()).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+            if isinstance(target, ast.Name):
+                try:
+                    values[target.id] = ast.literal_eval(node.value)
+                except ValueError:
+                    pass
+    return values
+
+
+def _loaded_urls(html):
+    """Every script ``src`` and stylesheet ``href`` of an HTML page."""
+    scripts = re.findall(r"<script[^>]*\ssrc=\"([^\"]+)\"", html)
+    styles = re.findall(r"<link[^>]*\shref=\"([^\"]+)\"[^>]*rel=\"stylesheet\"", html)
+    styles += re.findall(r"<link[^>]*rel=\"stylesheet\"[^>]*\shref=\"([^\"]+)\"", html)
+    return {url.split("?")[0] for url in scripts + styles}
+
+
+def test_math_is_rendered_by_a_script_served_with_the_site(tmp_path):
+    # A two-page site with docs/conf.py's extensions (but the local ones,
+    # which check the real API page) and math settings: whatever renders the
+    # formulas must be a file of the built site, not a CDN URL that an
+    # offline reader (or a local build viewed without network) cannot load.
+    pytest.importorskip("sphinx", reason="the docs extra (sphinx) is not installed")
+    from sphinx.cmd.build import build_main
+
+    conf = _conf_literals()
+    local = {path.stem for path in (DOCS / "_ext").glob("*.py")}
+    extensions = [name for name in conf["extensions"] if name not in local]
+    settings = {k: v for k, v in conf.items() if k.startswith(("mathjax", "katex"))}
+    source = tmp_path / "src"
+    source.mkdir()
+    lines = [f"extensions = {extensions!r}"] + [f"{k} = {v!r}" for k, v in settings.items()]
+    (source / "conf.py").write_text("\n".join(lines) + "\n")
+    toctree = ".. toctree::\n\n   plain\n"
+    (source / "index.rst").write_text(f"Math\n====\n\n:math:`2^{{20}}` bytes\n\n{toctree}")
+    (source / "plain.rst").write_text("Plain\n=====\n\nNo formula.\n")
+    out = tmp_path / "out"
+    assert build_main(["-W", "-q", "-E", "-b", "html", str(source), str(out)]) == 0
+
+    with_math = _loaded_urls((out / "index.html").read_text())
+    math_urls = with_math - _loaded_urls((out / "plain.html").read_text())
+    assert math_urls, f"no script or stylesheet for the math: {sorted(with_math)}"
+    for url in with_math:
+        assert "//" not in url, f"the page loads {url} from the network"
+        assert (out / url).is_file(), f"{url} is not in the built site"
+
+
+# ------------------------------------------------------------------------
 # Where the comparison page says Keras fails: two devices, two workers
 # ------------------------------------------------------------------------
 

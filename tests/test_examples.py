@@ -3,7 +3,9 @@
 The documentation includes code from these scripts (``literalinclude``), so
 these tests are what keeps that code running. Each script runs as a user
 would run it, from the repository root, in its own process (the multi-replica
-example must configure its devices before TensorFlow starts).
+example must configure its devices before TensorFlow starts), and prints
+nothing but its own output: TensorFlow's start-up log is kept off stderr by
+``examples/_quiet_tensorflow.py``, which every script imports first.
 """
 
 import os
@@ -15,9 +17,10 @@ import pytest
 
 # The examples print the same comparison with plain Keras at the big batch as
 # the equivalence tests, so they share its float32 tolerance.
-from tests.helpers import FLOAT32_ATOL, KERAS_VERSION, ROOT, run_python
+from tests.helpers import FLOAT32_ATOL, KERAS_VERSION, ROOT
 
-# Every script in examples/ and the test that runs it (checked below).
+# Every script in examples/ and the test that runs it (checked below); the
+# modules they share start with an underscore.
 TESTED_EXAMPLES = (
     "quickstart.py",
     "custom_loop.py",
@@ -27,9 +30,30 @@ TESTED_EXAMPLES = (
 )
 
 
+def environment_of_a_user(**variables):
+    """This process's environment without ``TF_CPP_MIN_LOG_LEVEL``, which the examples set."""
+    environment = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    return {**environment, **variables}
+
+
 def run_example(name, timeout=300):
-    """Runs ``python examples/<name> --quick`` from the repository root; returns stdout."""
-    return run_python([f"examples/{name}", "--quick"], timeout=timeout)
+    """Runs ``python examples/<name> --quick`` from the repository root; returns stdout.
+
+    Fails the test, with both outputs, if the script fails or prints anything
+    to stderr.
+    """
+    completed = subprocess.run(
+        [sys.executable, f"examples/{name}", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=environment_of_a_user(),
+    )
+    outputs = f"{completed.stdout}\n{completed.stderr}"
+    assert completed.returncode == 0, f"examples/{name} failed ({completed.returncode}):\n{outputs}"
+    assert not completed.stderr, f"examples/{name} printed to stderr:\n{completed.stderr}"
+    return completed.stdout
 
 
 def value(pattern, text):
@@ -44,8 +68,53 @@ def accuracies(text):
 
 
 def test_every_example_is_run_here():
-    scripts = sorted(path.name for path in (ROOT / "examples").glob("*.py"))
+    scripts = sorted(path.name for path in (ROOT / "examples").glob("[!_]*.py"))
     assert scripts == sorted(TESTED_EXAMPLES)
+
+
+# What TensorFlow 2.21 (absl's lines) and 2.16 (the dated ones) print while
+# loading on a machine without a GPU, and two lines that must always pass;
+# each with the lowest TF_CPP_MIN_LOG_LEVEL that hides it (4: none does).
+START_UP_LOG = {
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR": 2,
+    "I0000 00:00:1700000000.123456    1234 port.cc:153] oneDNN custom operations are on.": 1,
+    "I0000 00:00:1700000000.123456    1234 cudart_stub.cc:31] Could not find cuda drivers": 1,
+    "E0000 00:00:1700000000.123456    1234 cuda_dnn.cc:8579] Unable to register cuDNN": 3,
+    "2024-01-01 12:00:00.123456: I tensorflow/core/util/port.cc:113] oneDNN custom": 1,
+    "2024-01-01 12:00:00.123456: E external/local_xla/xla/cuda_fft.cc:479] Unable": 3,
+    "F0000 00:00:1700000000.123456    1234 check.cc:12] a fatal error": 4,
+    "a line of TensorFlow's own": 4,
+}
+
+
+@pytest.mark.parametrize("level", [None, "2", "1"], ids=["default", "level2", "level1"])
+def test_quiet_tensorflow_drops_only_the_log_lines_below_the_level(tmp_path, level):
+    """``_quiet_tensorflow`` filters what ``import tensorflow`` prints; Python warnings pass.
+
+    A stand-in ``tensorflow`` package prints the start-up log, as TensorFlow's
+    C++ code does, straight to the file descriptor, and issues a Python warning.
+    """
+    package = tmp_path / "tensorflow"
+    package.mkdir()
+    log = "".join(f"{line}\n" for line in START_UP_LOG).encode()
+    (package / "__init__.py").write_text(
+        f"import os, warnings\nos.write(2, {log!r})\nwarnings.warn('a Python warning')\n"
+    )
+    variables = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT / "examples")])}
+    if level is not None:
+        variables["TF_CPP_MIN_LOG_LEVEL"] = level
+    completed = subprocess.run(
+        [sys.executable, "-c", "import _quiet_tensorflow"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=environment_of_a_user(**variables),
+    )
+    assert completed.returncode == 0, completed.stderr
+    shown = [line for line in START_UP_LOG if int(level or 3) < START_UP_LOG[line]]
+    lines = completed.stderr.splitlines()
+    assert lines[: len(shown)] == shown
+    assert "UserWarning: a Python warning" in lines[len(shown)]
 
 
 @pytest.mark.slow
