@@ -156,26 +156,36 @@ def sum_across_replicas_if(condition, values, fn):
     the pattern of Keras's ``LossScaleOptimizer``: ``fn`` may then call
     ``merge_call`` itself, as Keras optimizers do.
 
+    A Python ``bool`` condition (a micro-step whose place in its group is
+    known when it is traced, as in a function that runs a whole group) needs
+    no conditional: ``True`` reduces and runs ``fn``, ``False`` does nothing.
+
     Args:
-        condition: Boolean scalar tensor, the same in every replica.
+        condition: Boolean scalar tensor, the same in every replica, or a
+            Python ``bool``.
         values: List of float tensors or replica-local variables (this
             replica's values).
         fn: Callable taking one reduced tensor per entry of ``values``.
     """
+    if isinstance(condition, bool):
+        if condition:
+            _sum_in_replica(values, fn)
+        return
     if supports_collectives_in_conditionals():
         _sum_if_in_replica(condition, values, fn)
     else:
         _sum_if_in_cross_replica(condition, values, fn)
 
 
-def _sum_if_in_replica(condition, values, fn):
-    def branch():
-        sums = [ops.convert_to_tensor(v) for v in values]
-        if sums:
-            sums = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, sums)
-        fn(*sums)
+def _sum_in_replica(values, fn):
+    sums = [ops.convert_to_tensor(v) for v in values]
+    if sums:
+        sums = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, sums)
+    fn(*sums)
 
-    tf.cond(condition, branch, lambda: None)
+
+def _sum_if_in_replica(condition, values, fn):
+    tf.cond(condition, lambda: _sum_in_replica(values, fn), lambda: None)
 
 
 def _sum_if_in_cross_replica(condition, values, fn):
@@ -208,8 +218,9 @@ class MicroStep:
     """What is known of a micro-step before its forward pass.
 
     Attributes:
-        is_update_step: Boolean scalar, whether it ends its group.
-        is_first: Boolean scalar, whether it starts its group.
+        is_update_step: Boolean scalar, whether it ends its group (a Python
+            ``bool`` where known when traced).
+        is_first: Boolean scalar, whether it starts its group (the same).
         group_length: Float32 scalar ``K``, the micro-steps its group is
             planned to have (``accum_steps``, or fewer at the end of an
             epoch of known length).
@@ -593,6 +604,16 @@ class GradientAccumulator(tf.Module):
             ops.greater_equal(steps_left, 0), ops.minimum(steps, steps_left + 1), steps
         )
         return MicroStep(is_update_step, is_first, ops.cast(planned, "float32"))
+
+    def micro_step_at(self, index, length):
+        """The :class:`MicroStep` of micro-step ``index`` of a group of ``length``.
+
+        For a function that runs a whole group: the micro-step's place is
+        known when it is traced, so ``is_update_step`` and ``is_first`` are
+        Python booleans and nothing is decided at run time (see
+        :func:`sum_across_replicas_if`). The group must start empty.
+        """
+        return MicroStep(index == length - 1, index == 0, float(length))
 
     def planned_micro_step(self):
         """The :class:`MicroStep` the next micro-step will be, without starting it.

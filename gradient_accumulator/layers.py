@@ -383,6 +383,8 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         """
         if self.accum_steps == 1 or not self.built or not self.trainable:
             return
+        if is_update_step is False:
+            return  # known when traced: a micro-step that only accumulates
         if is_update_step is None:
             is_update_step = True
         is_update_step = ops.convert_to_tensor(is_update_step, "bool")

@@ -350,6 +350,33 @@ class GradientAccumulateModel(keras.Model):
             self.optimizer.build(self.trainable_variables)
 
     def train_step(self, data):
+        """One micro-step; the group's update if its counters say it ends the group."""
+        return self._micro_step(data)
+
+    def group_step(self, batches):
+        """A whole accumulation group: one micro-step per batch, then the update.
+
+        Each micro-step's place in the group is known when the function is
+        traced, so nothing is decided at run time: the ``len(batches) - 1``
+        first micro-steps only add to the sums, the last one also updates (no
+        conditional). Call it in replica context, as Keras calls
+        ``train_step``, at the start of a group (no micro-step pending).
+
+        Args:
+            batches: Sequence of ``accum_steps`` batches (or fewer: a shorter
+                group), each as ``train_step`` takes it.
+
+        Returns:
+            The logs of the last micro-step (the metrics over every
+            micro-step seen since they were reset).
+        """
+        logs = None
+        for index, data in enumerate(batches):
+            logs = self._micro_step(data, (index, len(batches)))
+        return logs
+
+    def _micro_step(self, data, position=None):
+        """One micro-step; ``position``: ``(index, group length)`` if known when traced."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self._check_trainable_variables_unchanged()
         variables = self.trainable_variables
@@ -360,7 +387,10 @@ class GradientAccumulateModel(keras.Model):
         # accumulator's state changes wait for the batch.
         inputs = [t for t in tf.nest.flatten(x, expand_composites=True) if t is not None]
         with tf.control_dependencies(inputs):
-            micro = accumulator.start_micro_step()
+            if position is None:
+                micro = accumulator.start_micro_step()
+            else:
+                micro = accumulator.micro_step_at(*position)
         is_update_step = micro.is_update_step
         # Several normaliser classes (found by `_discover_normaliser_classes`
         # before the first trace): one gradient per class, so a persistent
@@ -400,21 +430,16 @@ class GradientAccumulateModel(keras.Model):
         # `loss` is scaled by 1/replicas for the cross-replica sum; undo that.
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         loss_tracker(self).update_state(loss * replicas, sample_weight=batch_size)
-        if num_classes == 1:
-            grads = tape.gradient(objectives[0], variables)
-        else:
-            class_grads = self._class_gradients(tape, objectives, plan, variables, num_classes)
-            del tape
+        class_grads = self._class_gradients(tape, objectives, plan, variables, num_classes)
+        del tape
         # Every state change waits for the batch (see above): the counters'
         # increments depend on nothing else, and TensorFlow may run them in a
         # step whose batch never arrives.
         with tf.control_dependencies(inputs):
             statistics = self._apply_statistics(is_update_step)
-            step = (is_update_step, self.optimizer, variables, statistics)
-            if num_classes == 1:
-                accumulator.step(grads, divisors[0], *step)
-            else:
-                accumulator.step_classes(class_grads, divisors, *step)
+            accumulator.step_classes(
+                class_grads, divisors, is_update_step, self.optimizer, variables, statistics
+            )
         compiled_metrics = getattr(self, "_compile_metrics", None)
         if keras_version() < (3, 5) and compiled_metrics is not None and not compiled_metrics.built:
             # Keras < 3.5 builds the compiled metrics in the first traced

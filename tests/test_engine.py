@@ -135,3 +135,36 @@ def test_the_sums_are_emptied_after_the_optimizer_writes_the_variables():
         assert read.type == "ReadVariableOp", read.type
         waits_for = {op.name for op in read.control_inputs}
         assert waits_for and waits_for <= model_reads, (acc.name, waits_for)
+
+
+def test_a_decision_known_when_traced_needs_no_conditional():
+    # A function that runs a whole group knows each micro-step's place: the
+    # accumulating micro-steps only add in place, the last one updates,
+    # with no conditional in the graph.
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    variables = model.trainable_variables
+    optimizer = keras.optimizers.SGD(1.0)
+    optimizer.build(variables)
+    accumulator = GradientAccumulator(2, variables)
+    grads = [np.ones(v.shape, "float32") for v in variables]
+    before = [v.numpy() for v in variables]
+
+    @tf.function
+    def group(grads):
+        for index in range(2):
+            micro = accumulator.micro_step_at(index, 2)
+            accumulator.step(grads, 0.5, micro.is_update_step, optimizer, variables)
+
+    graph = group.get_concrete_function(grads).graph
+    assert not [op.type for op in graph.get_operations() if "If" in op.type or "Case" in op.type]
+    accumulating = tf.function(
+        lambda grads: accumulator.step(grads, 0.5, False, optimizer, variables)
+    ).get_concrete_function(grads).graph
+    for acc in accumulator.gradient_sums:
+        assert _ops_using(accumulating, acc) == ["AssignAddVariableOp"], acc.name
+    group([g / 2 for g in grads])  # gradients of loss / 2, each micro-step
+    # Their weighted mean is the gradient: one SGD step of 1.0.
+    for variable, value, grad in zip(variables, before, grads):
+        np.testing.assert_allclose(variable.numpy(), value - grad, rtol=1e-6)
+    assert int(accumulator.micro_step.numpy()) == 0
+    assert int(optimizer.iterations.numpy()) == 1

@@ -415,6 +415,89 @@ def test_accum_steps_one_is_plain_training():
 
 
 # --------------------------------------------------------------------------
+# group_step: a whole group in one traced call, nothing decided at run time
+# (fit does not use it yet: the one-call-per-update issue builds it in).
+# --------------------------------------------------------------------------
+
+
+def _groups(arrays, micro_batch, accum_steps):
+    """The epoch's groups of micro-batches: ``accum_steps`` each, the last one shorter."""
+    starts = list(range(0, len(arrays[0]), micro_batch))
+    batches = [tuple(a[s : s + micro_batch] for a in arrays) for s in starts]
+    return [batches[g : g + accum_steps] for g in range(0, len(batches), accum_steps)]
+
+
+def _train_by_groups(model, arrays, accum_steps, epochs=2, jit_compile=False):
+    """Trains ``model`` one ``group_step`` call per group; returns the traced function."""
+    model.make_train_function()  # builds the optimizer and the sums, as fit does
+    strategy = model.distribute_strategy
+
+    @tf.function(jit_compile=jit_compile)
+    def one_group(batches):
+        return strategy.run(model.group_step, args=(batches,))
+
+    for _ in range(epochs):
+        for group in _groups(arrays, MICRO_BATCH, accum_steps):
+            one_group(group)
+    return one_group
+
+
+def _conditionals(graph):
+    kinds = {"If", "StatelessIf", "Case", "StatelessCase", "While", "StatelessWhile"}
+    return [op.type for op in graph.get_operations() if op.type in kinds]
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "jit"])
+def test_group_step_equals_big_batch_without_a_conditional(jit_compile):
+    x, y = make_regression_data()  # 10 micro-batches: groups of 4, 4 and 2
+    reference = build_dense()
+    reference.compile(OPTIMIZERS["adam"](), "mse")
+    reference.fit(x, y, batch_size=4 * MICRO_BATCH, epochs=2, shuffle=False, verbose=0)
+    model = build_dense(GradientAccumulateModel, accum_steps=4)
+    model.compile(OPTIMIZERS["adam"](), "mse")
+    one_group = _train_by_groups(model, (x, y), 4, jit_compile=jit_compile)
+    assert_close(reference.get_weights(), model.get_weights(), FLOAT32_ATOL)
+    assert int(model.optimizer.iterations.numpy()) == 6
+    assert int(model._accumulator.micro_step.numpy()) == 0
+    # The group's function has no conditional; the per-micro-step train
+    # function has the update's.
+    group = _groups((x, y), MICRO_BATCH, 4)[0]
+    assert _conditionals(one_group.get_concrete_function(group).graph) == []
+    per_micro_step = tf.function(model.train_step).get_concrete_function(group[0])
+    assert _conditionals(per_micro_step.graph)
+
+
+def test_group_step_weighs_tokens_and_keeps_batchnorm_statistics():
+    # A masked token loss (micro-batches with different token counts) and an
+    # AccumBatchNormalization layer whose moving statistics must be the
+    # group's, as in the per-micro-step path.
+    x, tags, _ = make_padded_sequences()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference = build_tagger()
+    reference.compile(keras.optimizers.SGD(0.5), loss)
+    reference.fit(x, tags, batch_size=4 * MICRO_BATCH, epochs=2, shuffle=False, verbose=0)
+    model = build_tagger(GradientAccumulateModel, accum_steps=4)
+    model.compile(keras.optimizers.SGD(0.5), loss)
+    _train_by_groups(model, (x, tags), 4)
+    assert_close(reference.get_weights(), model.get_weights(), FLOAT32_ATOL)
+
+    from gradient_accumulator import AccumBatchNormalization
+
+    features = np.random.default_rng(2).normal(3.0, 2.0, size=(40, 5)).astype("float32")
+    inputs = keras.Input((5,))
+    normalized = AccumBatchNormalization(accum_steps=4, momentum=0.0, name="bn")(inputs)
+    model = GradientAccumulateModel(
+        accum_steps=4, inputs=inputs, outputs=keras.layers.Dense(1)(normalized)
+    )
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    targets = np.zeros((40, 1), "float32")
+    _train_by_groups(model, (features[:32], targets[:32]), 4, epochs=1)
+    bn = model.get_layer("bn")
+    np.testing.assert_allclose(bn.moving_mean.numpy(), features[:32].mean(0), rtol=2e-6)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), features[:32].var(0), rtol=2e-6)
+
+
+# --------------------------------------------------------------------------
 # Functional twins of Keras's trainer_test.py fit/evaluate cases (which build
 # a subclassed model, so Keras's suite run through the wrapper never reaches
 # them): each data form Keras's fit takes, in each execution mode, with sample
