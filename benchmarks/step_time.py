@@ -1,5 +1,10 @@
 """Per-micro-step time of accumulation relative to plain training at the same micro-batch.
 
+The library's per-micro-step path: ``train_on_batch``, and ``fit`` on data of
+unknown length (``model.train_function`` called outside ``fit`` runs one
+micro-step per call). ``fit`` on data of known length runs a whole group per
+call: ``benchmarks.fit_time`` measures that.
+
 Compares, at the same micro-batch size, model, data and seed: plain Keras
 training (one Adam update per micro-batch), Keras's built-in
 ``Adam(gradient_accumulation_steps=k)`` and ``GradientAccumulateModel(k)``, on a

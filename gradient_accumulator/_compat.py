@@ -239,58 +239,16 @@ def compute_training_loss(model, x, y, y_pred, sample_weight):
     return loss
 
 
-def steps_run_unordered(model):
-    """Whether Keras's compiled ``fit`` loop may cancel a finished step's state changes.
+def reduce_replica_logs(logs, strategy):
+    """The logs of ``strategy.run`` of a train step, reduced as Keras's own train function does.
 
-    Keras < 3.7 runs ``steps_per_execution`` steps as an unrolled Python loop
-    of ``next(iterator)`` and ``strategy.run`` inside one ``tf.function``.
-    An execution that runs out of data (the epoch's last, when its steps are
-    not a multiple of ``steps_per_execution``; every epoch of data of unknown
-    length) fails at the first missing batch, and nothing orders that fetch
-    after the previous step: under load TensorFlow aborts the function while
-    the previous step's variable updates are still pending, and those that
-    had not run are lost (an accumulator's sums, an optimizer update). Keras
-    3.7 replaced the loop with a ``tf.while_loop`` over
-    ``get_next_as_optional``. See :func:`ordered_train_function`.
-    """
-    return keras_version() < (3, 7) and model.steps_per_execution > 1 and not model.run_eagerly
-
-
-def ordered_train_function(model):
-    """Keras < 3.7's ``fit`` train function, each batch fetched after the previous step is done.
-
-    The same function Keras builds (``keras.src.backend.tensorflow.trainer``,
-    ``make_train_function``, identical from 3.3 to 3.6), except that the
-    fetch of every step's batch waits for all the stateful operations
-    (variable updates, the per-replica calls of the compiled step) of the
-    step before, so a fetch that fails can no longer cancel them.
+    Keras's ``reduce_per_replica`` (``reduction="auto"``), which its
+    TensorFlow trainer applies to every step's outputs and exports no name
+    for.
     """
     from keras.src.backend.tensorflow.trainer import reduce_per_replica
 
-    strategy = model.distribute_strategy
-
-    def one_step_on_data(data):
-        return model.train_step(data)
-
-    one_step_on_data = tf.function(
-        one_step_on_data, reduce_retracing=True, jit_compile=model.jit_compile
-    )
-
-    def multi_step_on_iterator(iterator):
-        graph = tf.compat.v1.get_default_graph()
-        previous_step = []
-        for _ in range(model.steps_per_execution):
-            with tf.control_dependencies(previous_step):
-                data = next(iterator)
-            first = len(graph.get_operations())
-            outputs = strategy.run(one_step_on_data, args=(data,))
-            previous_step = [op for op in graph.get_operations()[first:] if op._is_stateful]
-            outputs = reduce_per_replica(outputs, strategy, reduction="auto")
-        return outputs
-
-    return tf.function(
-        tf.autograph.experimental.do_not_convert(multi_step_on_iterator), reduce_retracing=True
-    )
+    return reduce_per_replica(logs, strategy, reduction="auto")
 
 
 def keras_version():

@@ -167,11 +167,12 @@ def sum_across_replicas_if(condition, values, fn):
             replica's values).
         fn: Callable taking one reduced tensor per entry of ``values``.
     """
+    in_replica = supports_collectives_in_conditionals()
     if isinstance(condition, bool):
         if condition:
-            _sum_in_replica(values, fn)
+            (_sum_in_replica if in_replica else _sum_in_cross_replica)(values, fn)
         return
-    if supports_collectives_in_conditionals():
+    if in_replica:
         _sum_if_in_replica(condition, values, fn)
     else:
         _sum_if_in_cross_replica(condition, values, fn)
@@ -188,19 +189,25 @@ def _sum_if_in_replica(condition, values, fn):
     tf.cond(condition, lambda: _sum_in_replica(values, fn), lambda: None)
 
 
+def _reduce_then_run(strategy, values, fn):
+    """Cross-replica context: ``values`` summed onto their devices in one batch, then ``fn``."""
+    pairs = [(value, value) for value in values]
+    sums = []
+    if pairs:
+        sums = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)
+    strategy.extended.call_for_each_replica(fn, args=tuple(sums))
+
+
+def _sum_in_cross_replica(values, fn):
+    tf.distribute.get_replica_context().merge_call(
+        lambda strategy, *values: _reduce_then_run(strategy, values, fn), args=tuple(values)
+    )
+
+
 def _sum_if_in_cross_replica(condition, values, fn):
     def decide(strategy, condition, *values):
         decision = strategy.experimental_local_results(condition)[0]
-
-        def branch():
-            # Each value is reduced onto its own devices, all in one batch.
-            pairs = [(value, value) for value in values]
-            sums = []
-            if pairs:
-                sums = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)
-            strategy.extended.call_for_each_replica(fn, args=tuple(sums))
-
-        tf.cond(decision, branch, lambda: None)
+        tf.cond(decision, lambda: _reduce_then_run(strategy, values, fn), lambda: None)
 
     tf.distribute.get_replica_context().merge_call(decide, args=(condition, *values))
 

@@ -1,5 +1,6 @@
 """The model wrapper: `fit(batch_size=b)` with k-step accumulation equals `fit(batch_size=k*b)`."""
 
+import contextlib
 import functools
 import inspect
 
@@ -13,9 +14,8 @@ from gradient_accumulator._compat import (
     functional_from_config,
     keras_version,
     loss_tracker,
-    ordered_train_function,
     recorded_loss_reductions,
-    steps_run_unordered,
+    reduce_replica_logs,
     sublayers,
 )
 from gradient_accumulator.agc import adaptive_clip_gradients, check_agc_arguments
@@ -143,27 +143,43 @@ def _first_replica(strategy, value):
 
 
 class _EpochBoundary(keras.callbacks.Callback):
-    """Ends the accumulation group with the epoch, before validation runs.
+    """Tells ``fit``'s train function where it is in the epoch; ends the group with the epoch.
 
-    ``fit`` adds this callback itself. When the epoch's length is known it
-    tells the accumulator how many micro-steps are left, so the last, shorter
-    group is applied inside the epoch's last train step; otherwise (data of
-    unknown length, or ``stop_training``) whatever is left is applied when the
-    epoch ends.
+    ``fit`` adds this callback itself. When the epoch's length is known and
+    it starts with no group pending, the train function runs whole groups,
+    the epoch's last one shorter (:meth:`GradientAccumulateModel.group_step`);
+    it reads the epoch's length and the first micro-batch of each call from
+    here. Otherwise it runs micro-steps: an epoch that continues a group
+    (restored from a checkpoint taken inside one, or begun by
+    ``train_on_batch``) tells the accumulator how many micro-steps are left,
+    so that its last group ends with its last micro-step; with data of
+    unknown length, whatever is left is applied when the epoch ends (after
+    validation), as after ``stop_training``.
     """
 
     def __init__(self, model):
         super().__init__()
         self._owner = model
+        self.epoch_steps = None  # micro-batches in this epoch, if known
+        self.first_step = 0  # the first micro-batch of the coming call
+        self.continues_group = False
 
     def on_epoch_begin(self, epoch, logs=None):
-        steps = self.params.get("steps")
-        self._owner._accumulator.steps_to_boundary.assign(-1 if steps is None else int(steps))
+        accumulator = self._owner._accumulator
+        self.epoch_steps = self.params.get("steps")
+        self.first_step = 0
+        self.continues_group = int(accumulator.micro_step.numpy()) > 0
+        known = self.epoch_steps is not None and self.continues_group
+        accumulator.steps_to_boundary.assign(int(self.epoch_steps) if known else -1)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.first_step = batch
 
     def on_epoch_end(self, epoch, logs=None):
         self._owner.apply_accumulated_gradients()
 
     def on_train_end(self, logs=None):
+        self.epoch_steps = None
         self._owner._accumulator.steps_to_boundary.assign(-1)
 
 
@@ -171,9 +187,12 @@ class _EpochBoundary(keras.callbacks.Callback):
 class GradientAccumulateModel(keras.Model):
     """A ``keras.Model`` whose ``fit`` accumulates gradients over micro-batches.
 
-    Each train step computes the gradient of one micro-batch and adds it to
+    Each micro-step computes the gradient of one micro-batch and adds it to
     float32 sums; every ``accum_steps``-th micro-step hands the mean of the
-    group to the compiled optimizer and empties the sums. With micro-batch
+    group to the compiled optimizer and empties the sums. ``fit`` runs a
+    whole group per compiled call (:meth:`group_step`) where the epoch's
+    length is known, so its batch callbacks run once per update; each
+    ``train_on_batch`` call is one micro-step (:meth:`train_step`). With micro-batch
     gradients ``g_i`` of a loss that Keras divides by ``N_i`` (its samples; or
     its valid tokens under a mask; or the sum of its sample weights with
     ``reduction="mean_with_sample_weight"``), the update uses::
@@ -492,7 +511,19 @@ class GradientAccumulateModel(keras.Model):
             callbacks.append(boundary)
         else:
             bound.arguments["callbacks"] = [*first, *(callbacks or []), boundary]
-        return super().fit(*bound.args, **bound.kwargs)
+        # Keras's loop calls the train function, and the callbacks' batch
+        # hooks, once per `steps_per_execution` batches: for the epoch
+        # iterator that fit creates first, once per `steps_per_execution`
+        # groups. `make_train_function`, which fit calls next, restores the
+        # user's value (validation and evaluate use it).
+        self._epoch_boundary = boundary
+        self._fit_steps_per_execution = self.steps_per_execution
+        self.steps_per_execution = self.accum_steps * self._fit_steps_per_execution
+        try:
+            return super().fit(*bound.args, **bound.kwargs)
+        finally:
+            self._restore_steps_per_execution()
+            self._epoch_boundary = None
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # A private hook of keras.Model (see _compat.OVERRIDDEN_MODEL_HOOKS).
@@ -625,11 +656,104 @@ class GradientAccumulateModel(keras.Model):
             # the update runs in a conditional, which cannot create variables.
             with self.distribute_strategy.scope():
                 self.optimizer.build(self.trainable_variables)
-        rebuilt = force or self.train_function is None
-        super().make_train_function(force=force)
-        if rebuilt and steps_run_unordered(self):
-            self.train_function = ordered_train_function(self)
+        self._restore_steps_per_execution()
+        if force or self.train_function is None:
+            self._train_functions = {}
+            self.train_function = self._train_function
         return self.train_function
+
+    def _restore_steps_per_execution(self):
+        if getattr(self, "_fit_steps_per_execution", None) is not None:
+            self.steps_per_execution = self._fit_steps_per_execution
+            self._fit_steps_per_execution = None
+
+    def _train_function(self, iterator):
+        """The train function of ``fit`` and ``train_on_batch``.
+
+        In ``fit``, where the epoch's length is known: one traced call runs
+        ``steps_per_execution`` whole groups (:meth:`group_step`), the
+        epoch's last call as many micro-batches as are left, its last group
+        shorter. Elsewhere (data of unknown length, an epoch that continues
+        a pending group, ``train_on_batch``): Keras's own train function of
+        :meth:`train_step`, one micro-step per batch, as many batches per
+        call as ``fit``'s loop expects.
+        """
+        boundary = getattr(self, "_epoch_boundary", None)
+        if boundary is None or self.accum_steps == 1:
+            return self._micro_steps_function(self.steps_per_execution)(iterator)
+        per_call = self.accum_steps * self.steps_per_execution
+        if boundary.epoch_steps is None or boundary.continues_group:
+            return self._micro_steps_function(per_call)(iterator)
+        count = min(per_call, boundary.epoch_steps - boundary.first_step)
+        return self._groups_function(count)(iterator)
+
+    @contextlib.contextmanager
+    def _steps_per_execution_of(self, steps):
+        saved = self.steps_per_execution
+        self.steps_per_execution = steps
+        try:
+            yield
+        finally:
+            self.steps_per_execution = saved
+
+    def _micro_steps_function(self, steps):
+        """Up to ``steps`` micro-steps per call, each one call of Keras's one-step function.
+
+        A call that runs out of data after a micro-step returns its logs; the
+        next call's first fetch then ends the epoch, as Keras expects.
+        """
+        if "micro_step" not in self._train_functions:
+            # Keras's own function of `train_step`, one batch per call
+            # (Keras reads `steps_per_execution` when it builds and when it
+            # traces it).
+            with self._steps_per_execution_of(1):
+                dispatcher = self.train_function
+                super().make_train_function(force=True)
+                self._train_functions["micro_step"] = self.train_function
+                self.train_function = dispatcher
+        one_step = self._train_functions["micro_step"]
+
+        def micro_steps(iterator):
+            logs = None
+            for _ in range(steps):
+                try:
+                    with self._steps_per_execution_of(1):
+                        logs = one_step(iterator)
+                except (StopIteration, tf.errors.OutOfRangeError):
+                    if logs is None:
+                        raise
+                    break
+            return logs
+
+        return micro_steps
+
+    def _groups_function(self, count):
+        """One traced call of ``count`` micro-batches: whole groups, the last one shorter."""
+        if count not in self._train_functions:
+            sizes = [self.accum_steps] * (count // self.accum_steps)
+            if count % self.accum_steps:
+                sizes.append(count % self.accum_steps)
+            strategy = self.distribute_strategy
+
+            def one_group(batches):
+                logs = strategy.run(self.group_step, args=(batches,))
+                return reduce_replica_logs(logs, strategy)
+
+            if not self.run_eagerly:
+                one_group = tf.function(
+                    one_group, reduce_retracing=True, jit_compile=self.jit_compile
+                )
+
+            def groups(iterator):
+                logs = None
+                for size in sizes:
+                    logs = one_group([next(iterator) for _ in range(size)])
+                return logs
+
+            if not self.run_eagerly:
+                groups = tf.function(groups, reduce_retracing=True)
+            self._train_functions[count] = groups
+        return self._train_functions[count]
 
     def apply_accumulated_gradients(self):
         """Applies a non-empty, unfinished group now; otherwise does nothing.

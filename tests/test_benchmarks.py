@@ -38,6 +38,18 @@ EXPECTED = {
             "rounds",
         },
     ),
+    "fit_time": (
+        {"accum_steps", "micro_batch", "quick", "results"},
+        {
+            "model",
+            "mode",
+            "rounds",
+            "plain_ms",
+            "keras_builtin_over_plain",
+            "library_over_plain",
+            "library_over_builtin",
+        },
+    ),
     "memory": (
         {"quick", "repeats", "setups"},
         {

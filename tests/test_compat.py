@@ -76,21 +76,17 @@ def test_overridden_model_hooks_exist_with_their_parameters():
         assert not missing, _changed(f"keras.Model.{name}", f"it lost {missing}")
 
 
-def test_the_unrolled_train_function_is_the_one_mirrored():
-    # `_compat.ordered_train_function` rebuilds Keras < 3.7's train function
-    # (an unrolled loop of `next(iterator)` and `strategy.run`) with its
-    # private `reduce_per_replica`; from 3.7 Keras loops in a tf.while_loop.
+def test_keras_reduces_train_logs_with_reduce_per_replica():
+    # `_compat.reduce_replica_logs` is Keras's own reduction of a train
+    # step's per-replica logs.
     from keras.src.backend.tensorflow import trainer
 
-    source = inspect.getsource(trainer.TensorFlowTrainer.make_train_function)
-    unrolled = "for _ in range(self.steps_per_execution)" in source
-    assert unrolled == (_compat.keras_version() < (3, 7)), _changed(
-        "TensorFlowTrainer.make_train_function", "its loop over steps_per_execution changed"
+    assert callable(getattr(trainer, "reduce_per_replica", None)), _changed(
+        "keras.src.backend.tensorflow.trainer.reduce_per_replica", "it no longer exists"
     )
-    if unrolled:
-        assert callable(getattr(trainer, "reduce_per_replica", None)), _changed(
-            "keras.src.backend.tensorflow.trainer.reduce_per_replica", "it no longer exists"
-        )
+    strategy = tf.distribute.get_strategy()
+    logs = _compat.reduce_replica_logs({"loss": tf.constant(2.0)}, strategy)
+    assert float(logs["loss"]) == 2.0
 
 
 def test_optimizer_internals():

@@ -358,14 +358,10 @@ def test_normaliser_classes_resume_in_the_middle_of_a_group(tmp_path, how):
     uninterrupted = build()
     uninterrupted.fit(x, y, batch_size=8, shuffle=False, verbose=0)
 
-    class Interrupt(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 5:  # 6 micro-batches seen: one update, 2 pending
-                raise KeyboardInterrupt
-
     first = build()
-    with pytest.raises(KeyboardInterrupt):
-        first.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[Interrupt()])
+    for start in range(0, 48, 8):  # a run that stops after 6 micro-batches: 1 update, 2 pending
+        batch = slice(start, start + 8)
+        first.train_on_batch(x[batch], [tags[batch], scores[batch]])
     assert int(first._accumulator.micro_step.numpy()) == 2
     assert max(float(np.abs(a.numpy()).max()) for a in first._accumulator.class_gradient_sums) > 0
     if how == "checkpoint":

@@ -1,8 +1,9 @@
 """Fault tolerance under MultiWorkerMirroredStrategy: BackupAndRestore resumes a group.
 
 Run on every worker: ``python -m tests.scripts.multi_worker_resume MODE BACKUP``.
-``MODE=interrupt``: both workers stop (exit code 3) in the middle of an
-accumulation group in epoch 2. ``MODE=resume``: restarted with the same
+``MODE=interrupt``: both workers stop (exit code 3) in the middle of epoch 2,
+after its first group (``fit`` calls the batch callbacks once per update).
+``MODE=resume``: restarted with the same
 ``keras.callbacks.BackupAndRestore`` directory (``BACKUP/worker<i>``), they
 re-run the interrupted epoch from the backup taken at the end of epoch 1 and
 train to the end. Prints one results line (see ``tests/scripts/__init__.py``):
@@ -23,13 +24,13 @@ INTERRUPTED = 3  # the exit code of an interrupted worker
 
 
 class Interrupt(keras.callbacks.Callback):
-    """Exits the process after the third micro-step of epoch 2 (inside its first group)."""
+    """Exits the process after the first update of epoch 2."""
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.epoch == 1 and batch == 2:
+        if self.epoch == 1:
             raise SystemExit(INTERRUPTED)
 
 

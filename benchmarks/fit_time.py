@@ -1,0 +1,151 @@
+"""Wall time of whole ``fit`` epochs per micro-batch: accumulation against plain ``fit``.
+
+What a user sees: plain Keras ``fit(batch_size=b)`` (one Adam update per
+micro-batch), Keras's built-in ``Adam(gradient_accumulation_steps=k)`` at
+``b``, and ``GradientAccumulateModel(accum_steps=k)`` at ``b``, on the same
+data, model and seed, in graph mode and with XLA. Unlike ``step_time``,
+which times single train-function calls, this times ``fit`` itself: its
+loop, its callbacks and however many train-function calls each
+configuration makes (the library makes one per update).
+
+How: each model runs one warm-up epoch (tracing and compiling, excluded);
+then the configurations take turns, round after round, one epoch each. The
+figure is the median over rounds of the per-round ratio of epoch times.
+
+Run: ``python -m benchmarks.fit_time`` (``--models dense --modes jit`` for a
+part; ``--quick`` for CI: the dense model in graph mode, two rounds; figures
+meaningless).
+"""
+
+import time
+
+from benchmarks._common import (
+    KERAS_BUILTIN,
+    LABELS,
+    LIBRARY,
+    PLAIN,
+    add_parts,
+    alternate,
+    chosen_parts,
+    classification_data,
+    compiled,
+    dense_model,
+    median_ratio,
+    mobilenetv2,
+    parser,
+    print_table,
+    save,
+)
+
+ACCUM_STEPS = 4
+MICRO_BATCH = 16
+FLAVOURS = (PLAIN, KERAS_BUILTIN, LIBRARY)
+
+# name: (builder, input shape); the models of `step_time` and of issue 23's
+# prototype (a 64x64x3 input flattened into a 256-256-10 dense network).
+MODELS = {
+    "dense": (lambda: dense_model(features=64 * 64 * 3, width=256), (64 * 64 * 3,)),
+    "mobilenetv2": (lambda: mobilenetv2(size=64, alpha=0.35), (64, 64, 3)),
+}
+
+# (model, mode, rounds, groups per epoch)
+FULL_CASES = [
+    ("dense", "graph", 7, 16),
+    ("dense", "jit", 7, 16),
+    ("mobilenetv2", "graph", 5, 8),
+    ("mobilenetv2", "jit", 5, 8),
+]
+QUICK_CASES = [("dense", "graph", 2, 2)]
+
+
+def measure(kind, mode, rounds, groups):
+    """Times one epoch of each configuration per round; returns the case's record."""
+    builder, shape = MODELS[kind]
+    x, y = classification_data(groups * ACCUM_STEPS * MICRO_BATCH, shape)
+    models = {
+        flavour: compiled(flavour, *builder(), ACCUM_STEPS, jit_compile=mode == "jit")
+        for flavour in FLAVOURS
+    }
+
+    def epoch(model):
+        start = time.perf_counter()
+        model.fit(x, y, batch_size=MICRO_BATCH, epochs=1, shuffle=False, verbose=0)
+        return (time.perf_counter() - start) / (len(x) // MICRO_BATCH)
+
+    for model in models.values():
+        epoch(model)  # traces and compiles
+    times = alternate(models, epoch, rounds)
+    record = {
+        "model": kind,
+        "mode": mode,
+        "micro_batch": MICRO_BATCH,
+        "accum_steps": ACCUM_STEPS,
+        "rounds": rounds,
+        "micro_batches_per_epoch": len(x) // MICRO_BATCH,
+        "seconds_per_micro_batch": times,
+        "plain_ms": 1e3 * sorted(times[PLAIN])[len(times[PLAIN]) // 2],
+    }
+    for flavour in (KERAS_BUILTIN, LIBRARY):
+        record[f"{flavour}_over_plain"] = median_ratio(times[flavour], times[PLAIN])
+    record["library_over_builtin"] = median_ratio(times[LIBRARY], times[KERAS_BUILTIN])
+    return record
+
+
+def main():
+    p = parser(__doc__.splitlines()[0])
+    add_parts(p, MODELS)
+    args = p.parse_args()
+    models, modes = chosen_parts(p, args, MODELS)
+    cases = QUICK_CASES if args.quick else [
+        case for case in FULL_CASES if case[0] in models and case[1] in modes
+    ]
+    records = [measure(*case) for case in cases]
+    print_table(
+        f"fit epoch time per micro-batch over plain fit (k={ACCUM_STEPS}, micro-batch "
+        f"{MICRO_BATCH}, Adam; medians of per-round ratios)",
+        ["model", "mode", "rounds", "plain ms", LABELS[KERAS_BUILTIN], LABELS[LIBRARY],
+         "library / built-in"],
+        [
+            [
+                r["model"],
+                r["mode"],
+                r["rounds"],
+                f"{r['plain_ms']:.2f}",
+                f"{r[f'{KERAS_BUILTIN}_over_plain']:.3f}",
+                f"{r[f'{LIBRARY}_over_plain']:.3f}",
+                f"{r['library_over_builtin']:.3f}",
+            ]
+            for r in records
+        ],
+    )
+
+    def plot(ax):
+        labels = [f"{r['model']}\n{r['mode']}" for r in records]
+        for offset, flavour in ((-0.2, KERAS_BUILTIN), (0.2, LIBRARY)):
+            ax.bar(
+                [i + offset for i in range(len(records))],
+                [r[f"{flavour}_over_plain"] for r in records],
+                width=0.4,
+                label=LABELS[flavour],
+            )
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.axhline(0.95, color="grey", linestyle="--", linewidth=0.8, label="goal: 0.95")
+        ax.set_xticks(range(len(records)), labels)
+        ax.set_ylabel("fit time per micro-batch / plain fit")
+        ax.legend()
+
+    save(
+        args.out,
+        "fit_time_quick" if args.quick else "fit_time",
+        {
+            "accum_steps": ACCUM_STEPS,
+            "micro_batch": MICRO_BATCH,
+            "quick": args.quick,
+            "results": records,
+        },
+        plot=plot,
+    )
+
+
+if __name__ == "__main__":
+    main()
