@@ -122,11 +122,14 @@ def child(config):
     steady = {}
 
     class Record(keras.callbacks.Callback):
+        # Called once per micro-batch (plain, built-in) or once per group
+        # (the library's fit); `batch` is the call's last micro-batch.
         def on_train_batch_end(self, batch, logs=None):
             figures = (rss_mb(), peak_rss_mb(), *_tf_memory_mb(device))
             per_step.append([round(v, 1) for v in figures])
-            if batch + 1 == first_group and resettable:
+            if batch + 1 >= first_group and resettable and not steady:
                 steady["rss_at_reset_mb"] = rss_mb()
+                steady["peak_at_reset_mb"] = per_step[-1][1]
                 reset_peak_rss()
 
     import gc
@@ -142,7 +145,7 @@ def child(config):
     tf.config.experimental.reset_memory_stats(device)
     model.fit(dataset, epochs=1, steps_per_epoch=config["steps"], verbose=0, callbacks=[Record()])
     peak = peak_rss_mb()  # since the reset after the first group, if any
-    overall = max(peak, per_step[first_group - 1][1]) if steady else peak
+    overall = max(peak, steady["peak_at_reset_mb"]) if steady else peak
     tf_current, tf_peak = _tf_memory_mb(device)
     import resource
 
