@@ -730,21 +730,32 @@ class GradientAccumulateModel(keras.Model):
     def _groups_function(self, count):
         """One traced call of ``count`` micro-batches: whole groups, the last one shorter.
 
-        Each micro-step is one call of a compiled function of its place in
-        the group (XLA, with ``jit_compile``, compiles each on its own: one
-        computation for a whole group let XLA keep several micro-steps'
-        buffers alive at once, 2.6x the sums on the MLP of
-        ``benchmarks/memory.py`` against 0.4x), its batch fetched just
-        before it.
+        In graph mode each group is one function (:meth:`group_step`). With
+        ``jit_compile``, XLA compiles each micro-step on its own, a function
+        of its place in the group, its batch fetched just before it: one XLA
+        computation for a whole group kept several micro-steps' buffers alive
+        at once (the allocator's peak on the MLP of ``benchmarks/memory.py``:
+        2.6x the sums, against 0.2x).
         """
         if count not in self._train_functions:
             sizes = [self.accum_steps] * (count // self.accum_steps)
             if count % self.accum_steps:
                 sizes.append(count % self.accum_steps)
+            strategy = self.distribute_strategy
+
+            def one_group(batches):
+                logs = strategy.run(self.group_step, args=(batches,))
+                return reduce_replica_logs(logs, strategy)
+
+            if not self.run_eagerly:
+                one_group = tf.function(one_group, reduce_retracing=True)
 
             def groups(iterator):
                 logs = None
                 for size in sizes:
+                    if not self.jit_compile or self.run_eagerly:
+                        logs = one_group([next(iterator) for _ in range(size)])
+                        continue
                     for index in range(size):
                         logs = self._placed_step_function(index, size)(next(iterator))
                 return logs
@@ -766,10 +777,7 @@ class GradientAccumulateModel(keras.Model):
             def placed_step(data):
                 return reduce_replica_logs(strategy.run(step, args=(data,)), strategy)
 
-            if not self.run_eagerly:
-                placed_step = tf.function(
-                    placed_step, reduce_retracing=True, jit_compile=self.jit_compile
-                )
+            placed_step = tf.function(placed_step, reduce_retracing=True, jit_compile=True)
             self._train_functions[key] = placed_step
         return self._train_functions[key]
 
