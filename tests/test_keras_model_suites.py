@@ -8,16 +8,22 @@ model passes. The tests that fail for a reason inherent to a wrapper (a class
 of its own, constructor arguments of its own) are listed in
 ``INHERENT_FAILURES`` with the reason, and run as strict expected failures: a
 listed test that starts passing fails here too. Subclassed and ``Sequential``
-models are Keras's own; ``tests/test_model.py`` has the wrapper's functional
-twins of ``trainer_test.py``'s ``fit``/``evaluate`` cases, which build a
-subclassed model.
+models are Keras's own: of ``trainer_test.py``, whose ``fit``/``evaluate``
+cases build a subclassed model, only the cases that build a functional model
+run here, and ``tests/test_model.py`` has the wrapper's functional twins of
+the others. Cases needing a package CI does not install (JAX, torch, grain)
+skip.
 
 Keras ships its tests in the wheel from 3.15 on; with an older Keras this
 module collects nothing but one skipped placeholder.
 """
 
 import importlib
+import importlib.util
 import inspect
+import re
+import sys
+import types
 import unittest
 from unittest import mock
 
@@ -27,8 +33,9 @@ import pytest
 from gradient_accumulator import GradientAccumulateModel
 from gradient_accumulator._compat import Functional
 
-# Keras's test modules; an entry that does not import (an older Keras
-# wheel, or a test module needing a package we do not install) is skipped.
+# Keras's test modules. A wheel without tests (Keras < 3.15) has none of
+# them and the module collects a skipped placeholder; a wheel with tests must
+# import every one (a test module that stops importing fails the run).
 KERAS_TEST_MODULES = (
     "keras.src.models.functional_test",
     "keras.src.models.model_test",
@@ -140,14 +147,59 @@ def _cases(module):
     ]
 
 
-_collected = 0
-for _name in KERAS_TEST_MODULES:
+# `trainer_test.py` imports `jax` at its top but uses it only on the JAX
+# backend and in its cases drawing sparse batches from JAX; without JAX
+# installed, it is imported with a stand-in for `jax`. Cases that need a
+# package CI does not install (JAX, torch, grain) skip, named by that package.
+_NEEDS_PACKAGE = {"jax": "_sparse_jax_", "torch": "_torch_", "grain": "_grain_"}
+
+# Most of `trainer_test.py` builds subclassed models (`ExampleModel`), which
+# never reach the wrapper: there only the cases that build a functional model
+# run (tests/test_model.py::test_trainer_cases_on_a_functional_wrapper is the
+# wrapper's twin of the others).
+_FUNCTIONAL_CASES_ONLY = ("keras.src.trainers.trainer_test",)
+_BUILDS_A_FUNCTIONAL_MODEL = re.compile(r"\b(Model|Functional)\(|get_functional\(")
+
+
+def _import_without_jax(name):
+    """Imports Keras's test module `name` with a stand-in for `jax` if JAX is absent."""
+    if importlib.util.find_spec("jax") is not None:
+        return importlib.import_module(name)
+    stand_in = types.ModuleType("jax")
+    stand_in.__getattr__ = _jax_is_not_installed
+    sys.modules["jax"] = stand_in
     try:
-        _module = importlib.import_module(_name)
-    except ImportError:
-        continue
+        return importlib.import_module(name)
+    finally:
+        del sys.modules["jax"]
+
+
+def _jax_is_not_installed(attribute):
+    raise ImportError(f"jax.{attribute}: JAX is not installed (a stand-in for Keras's tests)")
+
+
+def _skipping_what_cannot_reach_the_wrapper(case, module_name):
+    for test in [name for name in dir(case) if name.startswith("test")]:
+        method = getattr(case, test)
+        reason = None
+        for package, marker in _NEEDS_PACKAGE.items():
+            if marker in test and importlib.util.find_spec(package) is None:
+                reason = f"needs {package}, which is not installed"
+        if module_name in _FUNCTIONAL_CASES_ONLY and not _BUILDS_A_FUNCTIONAL_MODEL.search(
+            inspect.getsource(method)
+        ):
+            reason = "builds no functional model (Keras's own path, not the wrapper's)"
+        if reason:
+            setattr(case, test, pytest.mark.skip(reason=reason)(method))
+    return case
+
+
+_WHEEL_HAS_TESTS = importlib.util.find_spec(KERAS_TEST_MODULES[0]) is not None
+_collected = 0
+for _name in KERAS_TEST_MODULES if _WHEEL_HAS_TESTS else ():
+    _module = _import_without_jax(_name)
     for _case in _cases(_module):
-        _wrapped = _with_wrapper(_case)
+        _wrapped = _skipping_what_cannot_reach_the_wrapper(_with_wrapper(_case), _name)
         globals()[_wrapped.__name__] = _wrapped
         _collected += 1
     del _module
@@ -200,3 +252,18 @@ def test_every_listed_failure_names_a_keras_test():
         case = getattr(importlib.import_module(module), class_name)
         found = callable(getattr(case, test, None))
         assert found, f"{name}: no such test in Keras {keras.__version__}"
+
+
+@pytest.mark.skipif(not _collected, reason=f"Keras {keras.__version__} ships no tests")
+def test_the_trainer_cases_that_build_a_functional_model_run():
+    # The source filter of `_FUNCTIONAL_CASES_ONLY` keeps the cases that
+    # reach the wrapper, and only them.
+    case = globals()["TestWrapped_trainer_test_TestTrainer"]
+    running = {
+        name
+        for name in dir(case)
+        if name.startswith("test")
+        and not any(mark.name == "skip" for mark in getattr(getattr(case, name), "pytestmark", ()))
+    }
+    assert {"test_multiple_compiles", "test_predict_preserve_order_1_jit"} <= running
+    assert "test_fit_flow_jit" not in running  # an ExampleModel case
