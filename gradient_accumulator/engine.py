@@ -612,15 +612,21 @@ class GradientAccumulator(tf.Module):
         )
         return MicroStep(is_update_step, is_first, ops.cast(planned, "float32"))
 
-    def micro_step_at(self, index, length):
+    def micro_step_at(self, index, length, ends_group=None):
         """The :class:`MicroStep` of micro-step ``index`` of a group of ``length``.
 
-        For a function that runs a whole group: the micro-step's place is
-        known when it is traced, so ``is_update_step`` and ``is_first`` are
-        Python booleans and nothing is decided at run time (see
-        :func:`sum_across_replicas_if`). The group must start empty.
+        For a function that runs a whole group: whether the micro-step ends
+        its group is known when it is traced, so ``is_update_step`` is a
+        Python boolean and nothing is decided at run time (see
+        :func:`sum_across_replicas_if`). ``index`` and ``length`` may be
+        integer tensors (one trace for every place in every group) when
+        ``ends_group`` says whether it is the last; with Python integers it
+        may be left ``None``. The group must start empty.
         """
-        return MicroStep(index == length - 1, index == 0, float(length))
+        if ends_group is None:
+            ends_group = index == length - 1
+        is_first = index == 0 if isinstance(index, int) else ops.equal(index, 0)
+        return MicroStep(ends_group, is_first, ops.cast(length, "float32"))
 
     def planned_micro_step(self):
         """The :class:`MicroStep` the next micro-step will be, without starting it.

@@ -64,6 +64,27 @@ def test_equals_big_batch_in_every_execution_mode(mode):
     assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
 
 
+@pytest.mark.parametrize("mode", ["graph", "steps_per_execution"], ids=str)
+def test_groups_longer_than_the_unrolled_ones_equal_big_batch(mode):
+    # Groups of more than `_UNROLLED_GROUP_LIMIT` micro-steps, and the
+    # epoch's shorter last group (here 5), run in a loop, not unrolled.
+    from gradient_accumulator.model import _UNROLLED_GROUP_LIMIT
+
+    accum_steps = _UNROLLED_GROUP_LIMIT + 2
+    x, y = make_regression_data(num_samples=MICRO_BATCH * (2 * accum_steps + 5))
+    reference, accumulating = train_pair(
+        build_dense,
+        OPTIMIZERS["adam"],
+        x,
+        y,
+        accum_steps=accum_steps,
+        compile_kwargs=MODES[mode] if mode in MODES else {},
+    )
+    assert_close(reference.get_weights(), accumulating.get_weights(), FLOAT32_ATOL)
+    assert max_abs_diff(reference.get_weights(), build_dense().get_weights()) > 1e-2
+    assert int(accumulating.optimizer.iterations.numpy()) == 2 * 3
+
+
 CLIPPING = {
     "clipnorm": {"clipnorm": 0.05},
     "global_clipnorm": {"global_clipnorm": 0.05},
