@@ -137,7 +137,7 @@ def _batch_size(x, y):
             return ops.shape(t)[0]
     raise ValueError(
         "A train step received a batch without any tensor: `x` and `y` are both "
-        "None or empty. Pass the data to `fit`. Received: x=None, y=None"
+        f"None or empty. Pass the data to `fit`. Received: x={x!r}, y={y!r}"
     )
 
 
@@ -656,6 +656,7 @@ class GradientAccumulateModel(keras.Model):
         # Variables are created here, eagerly and under the strategy scope,
         # never inside the traced step (that breaks tf.distribute).
         self._check_strategy()
+        self._check_jit_compile()
         self._check_statistics_layers()
         if not force and self.train_function is not None:
             self._check_trainable_variables_unchanged()
@@ -906,6 +907,21 @@ class GradientAccumulateModel(keras.Model):
                 "(layers included) inside `with strategy.scope():`, then compile "
                 "and fit it there."
             )
+
+    def _check_jit_compile(self):
+        """Refuses XLA over several replicas, which TensorFlow fails obscurely."""
+        strategy = self.distribute_strategy
+        if self.run_eagerly or not self.jit_compile or strategy.num_replicas_in_sync == 1:
+            return
+        replicas = strategy.num_replicas_in_sync
+        raise ValueError(
+            f"`jit_compile=True` with {replicas} replicas ({type(strategy).__name__}): XLA "
+            "compiles a program for one device, and the replicas' variables live on "
+            f"{replicas}, so TensorFlow would fail at the first step ('Trying to access "
+            "resource ... on a different device'; plain Keras's `fit` fails alike). "
+            "Compile with `jit_compile=False`, or leave it at 'auto', which Keras "
+            "resolves to False under tf.distribute."
+        )
 
     def _apply_statistics(self, is_update_step):
         """Moves the statistics layers' pending statistics on the update (replica context).

@@ -248,32 +248,38 @@ def last_group_case(num_samples):
 
 def _error(error):
     """``Type: line``: the message's line naming the root cause if TensorFlow
-    gives one (``You must feed ...``), else its first line."""
+    gives one (``You must feed ...``, ``... on a different device``), else its
+    first line."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
-    cause = next((line for line in lines if "must feed a value" in line), lines[0])
+    causes = ("must feed a value", "on a different device")
+    cause = next((line for line in lines if any(c in line for c in causes)), lines[0])
     return f"{type(error).__name__}: {cause}"
 
 
-def steps_per_execution(strategy, workdir):
-    """``compile(steps_per_execution=3)``. ``keras_error``: how plain Keras's own
-    ``fit`` with it fails under the same strategy (``None``: it trains); if
-    this model's fails too, ``error`` replaces the figures."""
-    data = make_regression_data()
-    with strategy.scope():
-        plain = build_dense()
-        plain.compile(OPTIMIZERS["adam"](), "mse", steps_per_execution=3)
-    try:
-        plain.fit(*data, batch_size=GLOBAL_MICRO_BATCH, shuffle=False, verbose=0)
-        keras_error = None
-    except Exception as error:  # noqa: BLE001 - Keras's own outcome is the figure
-        keras_error = _error(error)
-    try:
-        reference, model = fit_pair(
-            strategy, OPTIMIZERS["adam"], data, compile_kwargs={"steps_per_execution": 3}
-        )
-    except Exception as error:  # noqa: BLE001 - compared with Keras's by the test
-        return {"error": _error(error), "keras_error": keras_error}
-    return {**compare(reference, model, build_dense), "keras_error": keras_error}
+def beside_plain_keras(compile_kwargs):
+    """A case with ``compile_kwargs`` under which plain Keras's own ``fit`` may
+    fail under the strategy: ``keras_error`` says how (``None``: it trains);
+    if this model's fails too, ``error`` replaces the figures."""
+
+    def case(strategy, workdir):
+        data = make_regression_data()  # 76 samples: the last group 8 + 4
+        with strategy.scope():
+            plain = build_dense()
+            plain.compile(OPTIMIZERS["adam"](), "mse", **compile_kwargs)
+        try:
+            plain.fit(*data, batch_size=GLOBAL_MICRO_BATCH, shuffle=False, verbose=0)
+            keras_error = None
+        except Exception as error:  # noqa: BLE001 - Keras's own outcome is the figure
+            keras_error = _error(error)
+        try:
+            reference, model = fit_pair(
+                strategy, OPTIMIZERS["adam"], data, compile_kwargs=compile_kwargs
+            )
+        except Exception as error:  # noqa: BLE001 - reported by the test
+            return {"error": _error(error), "keras_error": keras_error}
+        return {**compare(reference, model, build_dense), "keras_error": keras_error}
+
+    return case
 
 
 def reduce_every_micro_step(strategy, workdir):
@@ -497,7 +503,8 @@ CASES = {
     "multi_io": multi_io,
     "short_group": last_group_case(72),
     "short_last_micro_batch": last_group_case(76),
-    "steps_per_execution": steps_per_execution,
+    "steps_per_execution": beside_plain_keras({"steps_per_execution": 3}),
+    "jit_compile": beside_plain_keras({"jit_compile": True}),
     "reduce_every_micro_step": reduce_every_micro_step,
     "sparse_sgd": sparse_case("sgd"),
     "sparse_adam": sparse_case("adam"),
