@@ -152,7 +152,7 @@ class _EpochBoundary(keras.callbacks.Callback):
 
     ``fit`` adds this callback itself. When the epoch's length is known and
     it starts with no group pending, the train function runs whole groups,
-    the epoch's last one shorter (:meth:`GradientAccumulateModel.group_step`);
+    the epoch's last one shorter (as :meth:`GradientAccumulateModel.group_step`);
     it reads the epoch's length and the first micro-batch of each call from
     here. Otherwise it runs micro-steps: an epoch that continues a group
     (restored from a checkpoint taken inside one, or begun by
@@ -195,7 +195,7 @@ class GradientAccumulateModel(keras.Model):
     Each micro-step computes the gradient of one micro-batch and adds it to
     float32 sums; every ``accum_steps``-th micro-step hands the mean of the
     group to the compiled optimizer and empties the sums. ``fit`` runs a
-    whole group per compiled call (:meth:`group_step`) where the epoch's
+    whole group per compiled call (as :meth:`group_step` does) where the epoch's
     length is known, so its batch callbacks run once per update; each
     ``train_on_batch`` call is one micro-step (:meth:`train_step`). With micro-batch
     gradients ``g_i`` of a loss that Keras divides by ``N_i`` (its samples; or
@@ -681,7 +681,7 @@ class GradientAccumulateModel(keras.Model):
         """The train function of ``fit`` and ``train_on_batch``.
 
         In ``fit``, where the epoch's length is known: one traced call runs
-        ``steps_per_execution`` whole groups (:meth:`group_step`), the
+        ``steps_per_execution`` whole groups (:meth:`_groups_function`), the
         epoch's last call as many micro-batches as are left, its last group
         shorter. Elsewhere (data of unknown length, an epoch that continues
         a pending group, ``train_on_batch``): Keras's own train function of

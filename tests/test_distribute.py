@@ -242,6 +242,16 @@ def test_multi_worker_two_normaliser_classes_equal_one_device_big_batch(multi_wo
 
 
 @pytest.mark.slow
+def test_multi_worker_shorter_last_group_equals_one_device_big_batch(multi_worker_results):
+    # fit's looped group (the epoch's shorter last one) across two workers.
+    for worker in multi_worker_results:
+        result = worker["results"]["fit_shorter_last_group"]
+        assert result["updates"] == 4, result
+        assert result["moved"] > MOVED, result
+        assert_diff_below(result["diff"], FLOAT32_ATOL, result)
+
+
+@pytest.mark.slow
 def test_multi_worker_resumes_with_backup_and_restore(tmp_path):
     # Both workers stop in the middle of an accumulation group in epoch 2;
     # restarted with BackupAndRestore they end where an uninterrupted run

@@ -171,6 +171,20 @@ def fit_two_normalisers(strategy):
     }
 
 
+def fit_shorter_last_group(strategy):
+    """``accum_steps=3`` on 80 samples: each epoch's groups are 3 and 2
+    micro-batches of 16, the second one run in a loop (not unrolled)."""
+    x, y = make_regression_data(num_samples=80)
+    reference = build_dense()
+    reference.compile(keras.optimizers.Adam(0.01), "mse")
+    reference.fit(x, y, batch_size=48, epochs=2, shuffle=False, verbose=0)
+    with strategy.scope():
+        model = build_dense(GradientAccumulateModel, accum_steps=3)
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    return figures(reference, model, model.optimizer, build_dense)
+
+
 def main():
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     results = {}
@@ -178,6 +192,7 @@ def main():
         results[f"fit_{case}"] = fit_run(strategy, case)
         results[f"loop_{case}"] = loop_run(strategy, case)
     results["fit_two_normalisers"] = fit_two_normalisers(strategy)
+    results["fit_shorter_last_group"] = fit_shorter_last_group(strategy)
     print_results({"replicas": strategy.num_replicas_in_sync, "results": results})
 
 
