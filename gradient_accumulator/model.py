@@ -918,7 +918,7 @@ class GradientAccumulateModel(keras.Model):
             f"`jit_compile=True` with {replicas} replicas ({type(strategy).__name__}): XLA "
             "compiles a program for one device, and the replicas' variables live on "
             f"{replicas}, so TensorFlow would fail at the first step ('Trying to access "
-            "resource ... on a different device'; plain Keras's `fit` fails alike). "
+            "resource ... from device ...'; plain Keras's `fit` fails alike). "
             "Compile with `jit_compile=False`, or leave it at 'auto', which Keras "
             "resolves to False under tf.distribute."
         )

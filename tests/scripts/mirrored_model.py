@@ -248,10 +248,10 @@ def last_group_case(num_samples):
 
 def _error(error):
     """``Type: line``: the message's line naming the root cause if TensorFlow
-    gives one (``You must feed ...``, ``... on a different device``), else its
+    gives one (``You must feed ...``, ``Trying to access resource ...``), else its
     first line."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
-    causes = ("must feed a value", "on a different device")
+    causes = ("must feed a value", "Trying to access resource")
     cause = next((line for line in lines if any(c in line for c in causes)), lines[0])
     return f"{type(error).__name__}: {cause}"
 
