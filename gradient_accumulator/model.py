@@ -917,8 +917,8 @@ class GradientAccumulateModel(keras.Model):
         raise ValueError(
             f"`jit_compile=True` with {replicas} replicas ({type(strategy).__name__}): XLA "
             "compiles a program for one device, and the replicas' variables live on "
-            f"{replicas}, so TensorFlow would fail at the first step ('Trying to access "
-            "resource ... from device ...'; plain Keras's `fit` fails alike). "
+            f"{replicas}, so TensorFlow would fail at the first step (plain Keras's `fit` "
+            "fails alike). "
             "Compile with `jit_compile=False`, or leave it at 'auto', which Keras "
             "resolves to False under tf.distribute."
         )
