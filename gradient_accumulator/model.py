@@ -766,7 +766,7 @@ class GradientAccumulateModel(keras.Model):
                 return logs
 
             if not self.run_eagerly:
-                groups = tf.function(groups)
+                groups = tf.function(groups, reduce_retracing=True)
             self._train_functions[count] = groups
         return self._train_functions[count]
 
@@ -800,7 +800,7 @@ class GradientAccumulateModel(keras.Model):
                 return reduce_replica_logs(logs, strategy)
 
             if not self.run_eagerly:
-                group = tf.function(group)
+                group = tf.function(group, reduce_retracing=True)
             self._train_functions[key] = group
         return self._train_functions[key]
 
@@ -815,7 +815,9 @@ class GradientAccumulateModel(keras.Model):
                 logs = strategy.run(self._micro_step, args=(data, position))
                 return reduce_replica_logs(logs, strategy)
 
-            self._train_functions[key] = tf.function(placed_step, jit_compile=True)
+            self._train_functions[key] = tf.function(
+                placed_step, reduce_retracing=True, jit_compile=True
+            )
         return self._train_functions[key]
 
     def apply_accumulated_gradients(self):
