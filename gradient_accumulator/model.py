@@ -778,8 +778,9 @@ class GradientAccumulateModel(keras.Model):
         MobileNetV2 in graph mode, 0.77 of plain ``fit`` against 0.95 for a
         loop). A longer group, and an epoch's shorter last group, run their
         micro-steps but the last in a ``tf.while_loop``: one function for
-        every such length, two traces of a micro-step (MobileNetV2,
-        ``accum_steps=8``: 14 s of tracing against 39 s unrolled).
+        all of them (the length is its argument), two traces of a micro-step
+        (MobileNetV2, ``accum_steps=8``: 14 s of tracing against 39 s
+        unrolled).
         """
         looped = size != self.accum_steps or size > _UNROLLED_GROUP_LIMIT
         key = ("group", "looped" if looped else size)
