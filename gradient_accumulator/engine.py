@@ -265,6 +265,9 @@ def _add_in_place(acc, grad):
 class _ClassLayout:
     """Where each normaliser class's gradients are summed (plain Python, not tracked).
 
+    One class (every variable reached by class 0 only) is the layout of a
+    loss with one normaliser.
+
     Attributes:
         routing: Tuple, per variable, of the classes whose gradient reaches it.
         slots: List, per variable, of ``(class, sum variable)``: the first
@@ -276,6 +279,10 @@ class _ClassLayout:
         self.routing = routing
         self.slots = slots
         self.num_classes = 1 + max((c for cs in routing for c in cs), default=0)
+
+    @classmethod
+    def one_class(cls, sums):
+        return cls(((0,),) * len(sums), [[(0, acc)] for acc in sums])
 
     def flat(self):
         return [(i, c, acc) for i, entries in enumerate(self.slots) for c, acc in entries]
@@ -412,10 +419,6 @@ class GradientAccumulator(tf.Module):
         sum_ = tf.VariableAggregation.SUM
         first = tf.VariableAggregation.ONLY_FIRST_REPLICA
         local = _replica_local
-        # Normaliser classes (see `configure_classes`): None for one class,
-        # today's layout. Plain Python, not tracked.
-        self._classes = None
-
         with tf.name_scope(name):
             self.gradient_sums = [
                 local(0, v.shape, "float32", _sum_name(v), sum_) for v in variables
@@ -426,30 +429,38 @@ class GradientAccumulator(tf.Module):
             self.steps_to_boundary = local(-1, (), "int64", "steps_to_boundary", first)
             self.update_count = local(0, (), "int64", "update_count", first)
             self.pending_weight = local(-1, (), "float32", "pending_weight", first)
+        # The normaliser classes (see `configure_classes`) after the first,
+        # each with its divisor, its reference and its extra sums: none for
+        # a loss of one class.
+        self.class_weight_sums = []
+        self.class_group_references = []
+        self.class_gradient_sums = []
+        self._classes = _ClassLayout.one_class(self.gradient_sums)
 
     @property
     def state_variables(self):
         """The variables a checkpoint must hold to resume inside a group."""
-        state = [
+        # The further classes' state last: a one-class file is a prefix.
+        return [
             self.micro_step,
             self.weight_sum,
             self.group_reference,
             self.update_count,
             *self.gradient_sums,
+            *self.class_weight_sums,
+            *self.class_group_references,
+            *self.class_gradient_sums,
         ]
-        if self._classes is not None:
-            # Appended: a one-class accumulator's state is unchanged.
-            state += [
-                *self.class_weight_sums,
-                *self.class_group_references,
-                *self.class_gradient_sums,
-            ]
-        return state
 
     @property
     def num_classes(self):
         """Normaliser classes with a divisor of their own (1 unless configured)."""
-        return 1 if self._classes is None else self._classes.num_classes
+        return self._classes.num_classes
+
+    @property
+    def routing(self):
+        """Per trainable variable, the normaliser classes whose gradient it sums."""
+        return self._classes.routing
 
     def configure_classes(self, routing, variables):
         """Gives every normaliser class its own divisor, and its own sums where needed.
@@ -467,20 +478,17 @@ class GradientAccumulator(tf.Module):
 
         Args:
             routing: Sequence, per variable in the order of ``variables``, of
-                the ascending class indices whose gradient reaches it.
+                the ascending class indices whose gradient reaches it; ``None``
+                for one class.
             variables: The accumulator's trainable variables (those it was
                 built for: see :meth:`matches`).
         """
-        routing = tuple(tuple(sorted(classes)) for classes in routing)
-        layout_classes = 1 + max((c for cs in routing for c in cs), default=0)
-        if self._classes is not None and self._classes.routing == routing:
-            return
+        if routing is not None:
+            routing = tuple(tuple(sorted(classes)) for classes in routing)
+        layout_classes = 1 + max((c for cs in routing or () for c in cs), default=0)
         if layout_classes < 2:
-            if self._classes is None:
-                return  # one class, and nothing to drop: today's layout
-            self._classes = None
-            self.class_weight_sums, self.class_group_references = [], []
-            self.class_gradient_sums = []
+            routing = ((0,),) * len(self.gradient_sums)  # one class: every sum its own
+        if self._classes.routing == routing:
             return
         sum_ = tf.VariableAggregation.SUM
         first = tf.VariableAggregation.ONLY_FIRST_REPLICA
@@ -505,34 +513,44 @@ class GradientAccumulator(tf.Module):
                     extra.append(acc)
                     entries.append((c, acc))
                 slots.append(entries)
-        self.class_weight_sums = weight_sums
-        self.class_group_references = references
-        self.class_gradient_sums = extra
+        self._set_class_state("class_weight_sums", weight_sums)
+        self._set_class_state("class_group_references", references)
+        self._set_class_state("class_gradient_sums", extra)
         self._classes = _ClassLayout(routing, slots)
         if hasattr(self, "traced_slots"):
             del self.traced_slots  # slots of the layout traced before
 
+    def _set_class_state(self, name, variables):
+        # Into the tracked (empty) list of one class: a tf.train.Checkpoint
+        # restored before the classes were configured restores the variables
+        # as they are added (a new list would not be restored).
+        current = getattr(self, name)
+        if len(current) == 0:
+            current.extend(variables)
+        else:
+            setattr(self, name, variables)
+
     def _weight_sums(self):
-        extra = self.class_weight_sums if self._classes is not None else []
-        return [self.weight_sum, *extra]
+        return [self.weight_sum, *self.class_weight_sums]
 
     def _group_references(self):
-        extra = self.class_group_references if self._classes is not None else []
-        return [self.group_reference, *extra]
+        return [self.group_reference, *self.class_group_references]
+
+    def _all_sums(self):
+        return [*self.gradient_sums, *self.class_gradient_sums]
 
     def save_state(self, store):
         """Writes the state into a Keras weights ``store`` (keys ``accumulator_<i>``).
 
-        With normaliser classes, their routing too (key :data:`CLASSES_KEY`).
+        And the normaliser classes' routing (key :data:`CLASSES_KEY`).
         """
         for i, variable in enumerate(self.state_variables):
             store[f"{STATE_KEY_PREFIX}{i}"] = variable.numpy()
-        if self._classes is not None:
-            routing = self._classes.routing
-            width = max(len(classes) for classes in routing)
-            store[CLASSES_KEY] = np.array(
-                [list(classes) + [-1] * (width - len(classes)) for classes in routing], "int32"
-            )
+        routing = self._classes.routing
+        width = max((len(classes) for classes in routing), default=0)
+        store[CLASSES_KEY] = np.array(
+            [list(classes) + [-1] * (width - len(classes)) for classes in routing], "int32"
+        ).reshape(len(routing), width)
 
     def load_state(self, store, owner, variables=None):
         """Restores the state from a Keras weights ``store`` written by :meth:`save_state`.
@@ -554,7 +572,7 @@ class GradientAccumulator(tf.Module):
         if not saved:
             return
         if CLASSES_KEY in store.keys() and variables is not None and self.matches(variables):
-            routing = [[c for c in row if c >= 0] for row in np.asarray(store[CLASSES_KEY])]
+            routing = [[int(c) for c in row if c >= 0] for row in np.asarray(store[CLASSES_KEY])]
             self.configure_classes(routing, variables)
         state = self.state_variables
         saved_shapes = [tuple(np.shape(store[f"{STATE_KEY_PREFIX}{i}"])) for i in range(len(saved))]
@@ -581,10 +599,7 @@ class GradientAccumulator(tf.Module):
         What loading a weights file without accumulation state means: the
         file's weights with no group pending.
         """
-        sums = list(self.gradient_sums)
-        if self._classes is not None:
-            sums += list(self.class_gradient_sums)
-        for acc in sums:
+        for acc in self._all_sums():
             acc.assign(tf.zeros(acc.shape, acc.dtype))
         for total in self._weight_sums():
             total.assign(0.0)
@@ -695,8 +710,8 @@ class GradientAccumulator(tf.Module):
         micro-step adds to the group's divisor (``loss_weight`` if ``None``).
         """
         divisor = loss_weight if divisor is None else divisor
-        # One class: its gradients are the only ones (with several, the
-        # missing classes' gradients fail loudly in `step_classes`).
+        # The one-class case of `step_classes` (with several classes, the
+        # missing classes' gradients fail loudly there).
         self.step_classes([grads], [divisor], is_update_step, optimizer, variables, statistics)
 
     def step_classes(
@@ -708,7 +723,7 @@ class GradientAccumulator(tf.Module):
         variables,
         statistics=(),
     ):
-        """:meth:`step` for an accumulator with several normaliser classes.
+        """:meth:`step` with one gradient list and divisor per normaliser class.
 
         Args:
             class_grads: Per class, the gradients (order of ``variables``) of
@@ -737,8 +752,6 @@ class GradientAccumulator(tf.Module):
 
     def _slots(self):
         """Every gradient sum, as ``(variable index, class, sum variable)``."""
-        if self._classes is None:
-            return [(i, 0, acc) for i, acc in enumerate(self.gradient_sums)]
         return self._classes.flat()
 
     def _accumulate(self, slot_grads, divisors):
@@ -845,9 +858,7 @@ class GradientAccumulator(tf.Module):
                 Elsewhere a non-finite gradient has already made the weights
                 non-finite, and the check would only cost time and memory.
         """
-        sums = list(self.gradient_sums)
-        if self._classes is not None:
-            sums += list(self.class_gradient_sums)
+        sums = self._all_sums()
 
         def zero_in_place():
             for acc in sums:

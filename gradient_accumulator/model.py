@@ -28,10 +28,11 @@ from gradient_accumulator.validation import (
     check_keyword_arguments,
 )
 from gradient_accumulator.weighting import (
-    class_data_objectives,
-    normaliser_partition,
-    weight_classes,
-    weight_micro_batch,
+    ClassPlan,
+    MicroBatchLoss,
+    class_gradients,
+    discover_classes,
+    weigh_classes,
     weight_only_loss_count,
 )
 
@@ -55,7 +56,6 @@ _KERAS_ARGUMENTS = {"inputs", "outputs", "name", "trainable"} | {
     for name, parameter in inspect.signature(keras.layers.Layer.__init__).parameters.items()
     if parameter.kind is inspect.Parameter.KEYWORD_ONLY
 }
-
 
 
 # The longest group `fit` unrolls in graph mode (see `_group_function`):
@@ -420,46 +420,28 @@ class GradientAccumulateModel(keras.Model):
             else:
                 micro = accumulator.micro_step_at(*position)
         is_update_step = micro.is_update_step
-        # Several normaliser classes (found by `_discover_normaliser_classes`
-        # before the first trace): one gradient per class, so a persistent
-        # tape. One class: exactly the one-gradient step.
-        # (A restored state may hold classes before `fit` found them: its
-        # sums are kept, this step's gradient goes to the first class.)
-        num_classes = accumulator.num_classes
-        plan = getattr(self, "_normaliser_classes", None) if num_classes > 1 else None
-        classes = None
+        # The loss's normaliser classes (found by `_discover_normaliser_classes`
+        # before the first trace; one unless the loss mixes normalisers):
+        # each class's share of the loss is weighted on its own and has its
+        # own gradient, so a persistent tape where there are several.
+        plan = self._class_plan()
         with (
             update_step_scope(is_update_step),
-            tf.GradientTape(persistent=plan is not None) as tape,
+            tf.GradientTape(persistent=accumulator.num_classes > 1) as tape,
         ):
-            y_pred = self(x, training=True)
-            batch_size = _batch_size(x, y)
-            with recorded_loss_reductions() as reductions:
-                loss = compute_training_loss(self, x, y, y_pred, sample_weight)
-            arguments = (
-                loss,
-                reductions,
-                batch_size,
-                self.losses,
-                weight_only_loss_count(self),
-                accumulator,
-                micro,
-            )
-            if plan is not None:
-                classes = weight_classes(*arguments, plan, tape)
-            if classes is None:
-                weighting = weight_micro_batch(*arguments, self.name)
-                objectives = [self.optimizer.scale_loss(weighting.objective)]
-                divisors = [weighting.divisor]
-                divisors += [ops.zeros(())] * (num_classes - 1)  # the others' stay
-            else:
-                objectives = [self.optimizer.scale_loss(objective) for objective, _ in classes]
-                divisors = [divisor for _, divisor in classes]
+            y_pred, micro_loss = self._forward(x, y, sample_weight)
+            weighted = weigh_classes(micro_loss, plan, accumulator, micro, tape, self.name)
+            objectives = [
+                None if objective is None else self.optimizer.scale_loss(objective)
+                for objective, _ in weighted
+            ]
+        divisors = [divisor for _, divisor in weighted]
+        class_grads = class_gradients(tape, objectives, accumulator.routing, variables)
+        del tape
+        loss = micro_loss.loss
         # `loss` is scaled by 1/replicas for the cross-replica sum; undo that.
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        loss_tracker(self).update_state(loss * replicas, sample_weight=batch_size)
-        class_grads = self._class_gradients(tape, objectives, plan, variables, num_classes)
-        del tape
+        loss_tracker(self).update_state(loss * replicas, sample_weight=micro_loss.batch_size)
         # Every state change waits for the batch (see above): the counters'
         # increments depend on nothing else, and TensorFlow may run them in a
         # step whose batch never arrives.
@@ -479,25 +461,18 @@ class GradientAccumulateModel(keras.Model):
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return logs_for_keras(logs, self.distribute_strategy)
 
-    @staticmethod
-    def _class_gradients(tape, objectives, plan, variables, num_classes):
-        """Per normaliser class, the gradients of its objective (``None`` where it does not reach).
+    def _forward(self, x, y, sample_weight):
+        """The forward pass and the loss: ``(y_pred, MicroBatchLoss)`` (call on a tape)."""
+        y_pred = self(x, training=True)
+        batch_size = _batch_size(x, y)
+        with recorded_loss_reductions() as reductions:
+            loss = compute_training_loss(self, x, y, y_pred, sample_weight)
+        weight_only = weight_only_loss_count(self)
+        return y_pred, MicroBatchLoss(loss, reductions, batch_size, self.losses, weight_only)
 
-        One objective (a trace whose classes are not the discovered ones, or
-        were not discovered: the one-sum rule, ``weight_micro_batch`` warned)
-        fills the first class; the others stay empty. Otherwise each class's
-        backward pass runs only to the variables it reaches (``plan.routing``).
-        """
-        class_grads = [[None] * len(variables) for _ in range(num_classes)]
-        if len(objectives) == 1:
-            class_grads[0] = tape.gradient(objectives[0], variables)
-            return class_grads
-        for c, objective in enumerate(objectives):
-            reached = [i for i, classes in enumerate(plan.routing) if c in classes]
-            partial = tape.gradient(objective, [variables[i] for i in reached])
-            for i, grad in zip(reached, partial):
-                class_grads[c][i] = grad
-        return class_grads
+    def _class_plan(self):
+        plan = getattr(self, "_normaliser_classes", None)
+        return ClassPlan.one_class() if plan is None else plan
 
     def fit(self, *args, **kwargs):
         bound = inspect.signature(super().fit).bind(*args, **kwargs)
@@ -573,12 +548,10 @@ class GradientAccumulateModel(keras.Model):
     def _discover_normaliser_classes(self, batch_spec):
         """Finds the loss's normaliser classes and what each reaches, before the first trace.
 
-        A symbolic pass (a traced, never-run function on ``batch_spec``, the
-        ``tf.TensorSpec`` structure of a batch ``(x, y, sample_weight)``):
-        the forward pass and the loss, the classes of its recorded
-        reductions (:func:`~gradient_accumulator.weighting.normaliser_partition`)
-        and, with several, one gradient per class to see which variables it
-        reaches. The accumulator then creates the classes' state eagerly,
+        A symbolic pass of this model's forward pass and loss on
+        ``batch_spec``, the ``tf.TensorSpec`` structure of a batch ``(x, y,
+        sample_weight)`` (:func:`~gradient_accumulator.weighting.discover_classes`).
+        The accumulator then creates the classes' state eagerly,
         under the strategy scope, never inside a traced step (which
         tf.distribute forbids). A model with one loss (one target, Keras's
         ``compute_loss``) has one class: no pass at all.
@@ -588,45 +561,20 @@ class GradientAccumulateModel(keras.Model):
         self._ensure_accumulator()
         if len(tf.nest.flatten(y)) < 2 and not self._may_add_losses():
             # One loss and no data-dependent additional one: one class.
-            self._use_normaliser_classes(None)
+            self._use_normaliser_classes(ClassPlan.one_class())
             return
-        variables = self.trainable_variables
-        found = {}
 
-        def probe(x, y, sample_weight):
-            with update_step_scope(tf.constant(False)), tf.GradientTape(persistent=True) as tape:
-                y_pred = self(x, training=True)
-                batch_size = _batch_size(x, y)
-                with recorded_loss_reductions() as reductions:
-                    loss = compute_training_loss(self, x, y, y_pred, sample_weight)
-                data_extras = len(self.losses) > weight_only_loss_count(self)
-                _, plan = normaliser_partition(reductions, batch_size, data_extras)
-                if plan is None or plan.num_classes < 2:
-                    return loss
-                objectives = class_data_objectives(loss, reductions, self.losses, plan, tape)
-            reaches = [
-                [g is not None for g in tape.gradient(objective, variables)]
-                for objective in objectives
-            ]
-            plan.routing = tuple(
-                tuple(c for c in range(plan.num_classes) if reaches[c][i])
-                for i in range(len(variables))
-            )
-            found["plan"] = plan
-            return loss
+        def forward(x, y, sample_weight):
+            with update_step_scope(tf.constant(False)):
+                return self._forward(x, y, sample_weight)
 
-        strategy = self.distribute_strategy
-
-        def traced(*args):
-            # In replica context, as the train step runs (a distributed
-            # variable has no handle outside it).
-            return strategy.run(probe, args=args)
-
-        with strategy.scope():
-            tf.function(traced).get_concrete_function(
-                *keras.utils.unpack_x_y_sample_weight(batch_spec)
-            )
-        self._use_normaliser_classes(found.get("plan"))
+        plan = discover_classes(
+            forward,
+            self.trainable_variables,
+            self.distribute_strategy,
+            keras.utils.unpack_x_y_sample_weight(batch_spec),
+        )
+        self._use_normaliser_classes(plan)
 
     def _may_add_losses(self):
         """Whether the loss may hold more than one compiled loss's terms.
@@ -645,11 +593,10 @@ class GradientAccumulateModel(keras.Model):
         return False
 
     def _use_normaliser_classes(self, plan):
-        """Configures the accumulator for ``plan``'s classes (``None``: one class)."""
+        """Configures the accumulator for ``plan``'s classes (a :class:`ClassPlan`)."""
         variables = self.trainable_variables
-        routing = ((),) * len(variables) if plan is None else plan.routing
         with self.distribute_strategy.scope():
-            self._accumulator.configure_classes(routing, variables)
+            self._accumulator.configure_classes(plan.routing, variables)
         self._normaliser_classes = plan
 
     def make_train_function(self, force=False):

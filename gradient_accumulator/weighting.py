@@ -17,13 +17,14 @@ weights, mask and reduction (:func:`gradient_accumulator._compat.recorded_loss_r
 
 One gradient sum holds one normaliser. Terms that share it form one class
 (every term a mean over samples; or masked by the same mask, or weighted by
-the same weights; or a sum): :func:`weight_micro_batch` weights them. Terms
-with different normalisers (a masked per-token output beside a per-sample
-one), and data-dependent additional losses beside a non-per-sample loss,
-form several classes (:class:`ClassPlan`, found by a traced pass before the
-first step): :func:`weight_classes` weights each, and the accumulator sums
-and divides each class on its own. Terms that depend on the weights only
-(kernel regularizers) are counted once per update whatever the normaliser.
+the same weights; or a sum). Terms with different normalisers (a masked
+per-token output beside a per-sample one), and data-dependent additional
+losses beside a non-per-sample loss, form several classes (:class:`ClassPlan`,
+found by a traced pass before the first step, :func:`discover_classes`).
+:func:`weigh_classes` weights each class, one class being the one-entry
+case, and the accumulator sums and divides each class on its own. Terms
+that depend on the weights only (kernel regularizers) are counted once per
+update whatever the normaliser.
 A train function traced without that pass, or a loss with
 ``reduction=None``, is weighted by samples with a warning that says so.
 """
@@ -108,32 +109,10 @@ def loss_term(values, sample_weight, mask, reduction, batch_size):
     return LossTerm(("mask", _ref(mask)), valid, _size(mask))
 
 
-class MicroBatchWeighting:
-    """The loss one micro-step differentiates and what it adds to the group's divisor.
+class MicroBatchLoss:
+    """A micro-batch's loss and what weighing it reads (the model's forward pass makes it).
 
     Attributes:
-        objective: Scalar, ``w_i * loss_i`` (before any loss scale).
-        divisor: Float32 scalar added to the group's divisor.
-    """
-
-    def __init__(self, objective, divisor):
-        self.objective = objective
-        self.divisor = divisor
-
-
-def weight_micro_batch(
-    loss,
-    records,
-    batch_size,
-    additional_losses,
-    weight_only_losses,
-    accumulator,
-    micro,
-    owner,
-):
-    """Weights a micro-batch's ``loss`` by its normaliser (see the module docstring).
-
-    Args:
         loss: The scalar Keras computed (``model.compute_loss``, already
             divided by the replicas in sync).
         records: The reductions recorded while computing it.
@@ -141,12 +120,82 @@ def weight_micro_batch(
         additional_losses: The model's ``losses`` (regularizers, ``add_loss``).
         weight_only_losses: How many of them depend on the weights only
             (kernel, bias and embedding regularizers).
+    """
+
+    def __init__(self, loss, records, batch_size, additional_losses, weight_only_losses):
+        self.loss = loss
+        self.records = records
+        self.batch_size = batch_size
+        self.additional_losses = additional_losses
+        self.weight_only_losses = weight_only_losses
+
+    @property
+    def data_extras(self):
+        """Whether some additional losses depend on the data (activity regularizers, add_loss)."""
+        return len(self.additional_losses) > self.weight_only_losses
+
+    def partition(self):
+        """``(terms, ClassPlan without routing)``: see :func:`normaliser_partition`."""
+        return normaliser_partition(self.records, self.batch_size, self.data_extras)
+
+
+def weigh_classes(micro_loss, plan, accumulator, micro, tape, owner):
+    """Per normaliser class of ``accumulator``: ``(objective, divisor)`` of this micro-step.
+
+    Class ``c``'s objective is its part of the loss (:func:`class_data_objectives`)
+    times its share ``N_ci / (C_c1 * K)``, or times 1 for a sum; its divisor
+    is that share (a sum: 1 once per group, and its weight regularizers
+    counted once per group, as the big batch counts them). One class is the
+    one-entry case: its objective is the weighted loss.
+
+    A trace whose classes are not ``plan``'s (a loss with ``reduction=None``;
+    terms of different normalisers that no class discovery separated) is
+    weighted by one rule, with a warning that says which (:func:`_one_sum_rule`):
+    its objective goes to the first class, the others' are ``None`` with
+    divisor 0.
+
+    Args:
+        micro_loss: The :class:`MicroBatchLoss`.
+        plan: The :class:`ClassPlan` the accumulator was configured with.
         accumulator: The :class:`~gradient_accumulator.engine.GradientAccumulator`.
         micro: The micro-step's :class:`~gradient_accumulator.engine.MicroStep`.
+        tape: The persistent ``GradientTape`` recording the loss if ``plan``
+            has several classes (unused with one).
         owner: String naming the model, for warnings.
     """
-    terms = [loss_term(v, w, m, r, batch_size) for v, w, m, r, _ in records]
-    keys = {term.key for term in terms if term is not None}
+    terms, found = micro_loss.partition()
+    if not plan.holds(found) or plan.num_classes != accumulator.num_classes:
+        found = _one_sum_rule(terms, micro_loss, owner)
+    loss = micro_loss.loss
+    objectives = class_data_objectives(micro_loss, found, tape)
+    first = ops.cast(micro.is_first, "float32")
+    weighted = []
+    for c, ((positions, kind), objective) in enumerate(zip(found.partition, objectives)):
+        if kind == SUM:
+            extra = ops.zeros((), loss.dtype)
+            if c == found.extras_class and micro_loss.additional_losses:
+                extra = _additional_total(micro_loss.additional_losses, loss.dtype)
+            once = ops.cast(first, loss.dtype) * extra
+            weighted.append((_sum_scale() * (objective - extra) + once, first))
+            continue
+        term = None if kind == SAMPLES else terms[positions[0]]
+        normaliser, capacity = _normaliser_and_capacity(term, micro_loss.batch_size)
+        weight = accumulator.share(normaliser, capacity, micro, normaliser_class=c)
+        weighted.append((objective * ops.cast(weight, objective.dtype), weight))
+    missing = accumulator.num_classes - len(weighted)
+    return weighted + [(None, ops.zeros(()))] * missing
+
+
+def _one_sum_rule(terms, micro_loss, owner):
+    """The one-class :class:`ClassPlan` of a trace whose classes no plan holds, with a warning.
+
+    Weighted by samples, or, where the only other class is the data-dependent
+    additional losses', by the loss's own normaliser (the closer of the two).
+    """
+    keys = []
+    for term in terms:
+        if term is not None and term.key not in keys:
+            keys.append(term.key)
     key, reason = SAMPLES, None  # no Keras loss was called: one's own, unknown
     if None in terms:
         reason = "a loss with reduction=None returned unreduced values"
@@ -158,7 +207,7 @@ def weight_micro_batch(
         )
     elif keys:
         (key,) = keys
-        if key != SAMPLES and len(additional_losses) > weight_only_losses:
+        if key != SAMPLES and micro_loss.data_extras:
             # Still weighted by its normaliser, the closer of the two rules.
             reason = (
                 "its activity regularizers or `add_loss` terms depend on the "
@@ -170,29 +219,10 @@ def weight_micro_batch(
             f"Gradient accumulation in model '{owner}' is not exactly the big "
             f"batch: {reason}; each micro-batch is weighted by {rule}. See "
             "'Which losses are exact' in the documentation.",
-            stacklevel=4,
+            stacklevel=5,
         )
-    if key == SUM:
-        return _weight_sum(loss, additional_losses, micro)
-    term = None if key == SAMPLES else next(t for t in terms if t.key == key)
-    weight = accumulator.share(*_normaliser_and_capacity(term, batch_size), micro)
-    return MicroBatchWeighting(loss * ops.cast(weight, loss.dtype), weight)
-
-
-def _weight_sum(loss, additional_losses, micro):
-    """A sum over the group: weight 1 every micro-step, divisor 1 once per group.
-
-    The terms of ``additional_losses`` (weight regularizers) enter once, at
-    the group's first micro-step, as the big batch counts them once.
-    """
-    first = ops.cast(micro.is_first, "float32")
-    scale = _sum_scale()
-    if additional_losses:
-        extra = _additional_total(additional_losses, loss.dtype)
-        objective = scale * (loss - extra) + ops.cast(first, loss.dtype) * extra
-    else:
-        objective = scale * loss
-    return MicroBatchWeighting(objective, first)
+    positions = tuple(j for j, term in enumerate(terms) if term is not None and term.key == key)
+    return ClassPlan((((positions, _kind(key)),)), 0)
 
 
 def _normaliser_and_capacity(term, batch_size):
@@ -243,13 +273,14 @@ class ClassPlan:
 
     Attributes:
         partition: Tuple, per class, of ``(term positions, kind)`` in the
-            order of each class's first term.
+            order of each class's first term; ``None`` for one class of any
+            terms (:meth:`one_class`: a loss whose classes no pass looked for).
         extras_class: Integer, the class that carries the loss's terms that
             are no recorded reduction (weight regularizers, ``add_loss``):
             the per-sample class if there is one, else the first that is not
             a sum.
         routing: Tuple, per trainable variable, of the classes whose
-            gradient reaches it.
+            gradient reaches it; ``None`` for one class (every variable).
     """
 
     def __init__(self, partition, extras_class, routing=None):
@@ -257,15 +288,28 @@ class ClassPlan:
         self.extras_class = extras_class
         self.routing = routing
 
+    @classmethod
+    def one_class(cls):
+        return cls(None, 0)
+
     @property
     def num_classes(self):
-        return len(self.partition)
+        return 1 if self.partition is None else len(self.partition)
+
+    def holds(self, found):
+        """Whether the classes ``found`` in one trace (a plan or ``None``) are this plan's."""
+        if found is None:
+            return False
+        if self.partition is None:
+            return found.num_classes == 1
+        return found.partition == self.partition
 
 
 def normaliser_partition(records, batch_size, data_extras=False):
     """``(terms, ClassPlan without routing)`` of one trace's recorded reductions.
 
-    ``None`` for the plan if a term is unreduced (no class can hold it).
+    ``None`` for the plan if a term is unreduced (no class can hold it). A
+    loss without recorded reductions (one's own) is one per-sample class.
     ``data_extras``: the model has data-dependent additional losses
     (activity regularizers, ``add_loss``), whose normaliser the wrapper cannot
     see; they are weighted by samples, so they join the per-sample class, a
@@ -282,7 +326,7 @@ def normaliser_partition(records, batch_size, data_extras=False):
         members[keys.index(term.key)].append(position)
     partition = tuple((tuple(m), _kind(k)) for m, k in zip(members, keys))
     kinds = [kind for _, kind in partition]
-    if data_extras and SAMPLES not in kinds:
+    if (data_extras or not partition) and SAMPLES not in kinds:
         partition += (((), SAMPLES),)
         kinds.append(SAMPLES)
     if SAMPLES in kinds:
@@ -292,21 +336,25 @@ def normaliser_partition(records, batch_size, data_extras=False):
     return terms, ClassPlan(partition, extras)
 
 
-def class_data_objectives(loss, records, additional_losses, plan, tape):
-    """Per class, the part of ``loss`` its terms contribute (unweighted), on ``tape``.
+def class_data_objectives(micro_loss, plan, tape):
+    """Per class of ``plan``, the part of the loss its terms contribute (unweighted).
 
-    ``loss`` is linear in the recorded reductions ``r_j`` (Keras multiplies
+    The loss is linear in the recorded reductions ``r_j`` (Keras multiplies
     each by its ``loss_weights`` entry, scales it for the replicas and sums
     them, then adds the aggregated ``model.losses``); each coefficient
     ``a_j = d loss / d r_j`` is read from ``tape`` (a scalar backward pass
     through that sum only), so any ``compute_loss`` that combines Keras
     losses linearly is split exactly. Class ``c``'s objective is
     ``sum_{j in c} a_j r_j``, plus the additional losses for
-    ``plan.extras_class``.
+    ``plan.extras_class``. The one class of a one-class plan is the whole
+    loss (no pass).
 
     Call inside the tape's context (the objectives must be recorded).
     """
-    reduced = [record[4] for record in records]
+    loss = micro_loss.loss
+    if plan.num_classes == 1:
+        return [loss]
+    reduced = [record[4] for record in micro_loss.records]
     with tape.stop_recording():
         coefficients = tape.gradient(
             loss, reduced, unconnected_gradients=tf.UnconnectedGradients.ZERO
@@ -318,45 +366,64 @@ def class_data_objectives(loss, records, additional_losses, plan, tape):
             * ops.cast(reduced[j], loss.dtype)
             for j in positions
         ]
-        if c == plan.extras_class and additional_losses:
-            parts.append(_additional_total(additional_losses, loss.dtype))
+        if c == plan.extras_class and micro_loss.additional_losses:
+            parts.append(_additional_total(micro_loss.additional_losses, loss.dtype))
         objectives.append(ops.sum(ops.stack(parts)) if len(parts) > 1 else parts[0])
     return objectives
 
 
-def weight_classes(
-    loss,
-    records,
-    batch_size,
-    additional_losses,
-    weight_only_losses,
-    accumulator,
-    micro,
-    plan,
-    tape,
-):
-    """Per class: ``(objective, divisor)``, or ``None`` if this trace's classes are not ``plan``'s.
+def class_gradients(tape, objectives, routing, variables):
+    """Per class, the gradients of its objective (order of ``variables``).
 
-    Class ``c``'s objective is its data terms (and, for one class, the
-    additional losses) times its share ``N_ci / (C_c1 * K)``, or times 1 for
-    a sum; its divisor is that share (a sum: 1 once per group). Same rules
-    as :func:`weight_micro_batch`, one class at a time.
+    Each class's backward pass runs only to the variables ``routing`` (per
+    variable, its classes) says it reaches; ``None`` elsewhere, and for a
+    class whose objective is ``None``.
     """
-    data_extras = len(additional_losses) > weight_only_losses
-    terms, found = normaliser_partition(records, batch_size, data_extras)
-    if found is None or found.partition != plan.partition:
-        return None
-    data = class_data_objectives(loss, records, additional_losses, plan, tape)
-    first = ops.cast(micro.is_first, "float32")
-    weighted = []
-    for c, ((positions, kind), objective) in enumerate(zip(plan.partition, data)):
-        if kind == SUM:
-            # As `_weight_sum`: Keras < 3.8 does not divide a sum by the
-            # replicas, which `compute_training_loss` did.
-            weighted.append((objective * _sum_scale(), first))
-            continue
-        term = None if kind == SAMPLES else terms[positions[0]]
-        normaliser, capacity = _normaliser_and_capacity(term, batch_size)
-        weight = accumulator.share(normaliser, capacity, micro, normaliser_class=c)
-        weighted.append((objective * ops.cast(weight, objective.dtype), weight))
-    return weighted
+    class_grads = []
+    for c, objective in enumerate(objectives):
+        grads = [None] * len(variables)
+        reached = [i for i, classes in enumerate(routing) if c in classes]
+        if objective is not None and reached:
+            partial = tape.gradient(objective, [variables[i] for i in reached])
+            for i, grad in zip(reached, partial):
+                grads[i] = grad
+        class_grads.append(grads)
+    return class_grads
+
+
+def discover_classes(forward, variables, strategy, batch_spec):
+    """The :class:`ClassPlan` of a model's loss, with its routing, from a symbolic pass.
+
+    A traced, never-run function on ``batch_spec`` (the ``tf.TensorSpec``
+    structure ``(x, y, sample_weight)``) runs ``forward`` (``(x, y,
+    sample_weight) -> (y_pred, MicroBatchLoss)``, the train step's own),
+    finds the classes of its recorded reductions and, with several, takes one
+    gradient per class to see which of ``variables`` it reaches. Traced in
+    replica context, as the train step runs (a distributed variable has no
+    handle outside it).
+    """
+    found = {}
+
+    def probe(x, y, sample_weight):
+        with tf.GradientTape(persistent=True) as tape:
+            _, micro_loss = forward(x, y, sample_weight)
+            _, plan = micro_loss.partition()
+            if plan is None or plan.num_classes < 2:
+                return micro_loss.loss
+            objectives = class_data_objectives(micro_loss, plan, tape)
+        reaches = [
+            [g is not None for g in tape.gradient(objective, variables)] for objective in objectives
+        ]
+        plan.routing = tuple(
+            tuple(c for c in range(plan.num_classes) if reaches[c][i])
+            for i in range(len(variables))
+        )
+        found["plan"] = plan
+        return micro_loss.loss
+
+    def traced(*args):
+        return strategy.run(probe, args=args)
+
+    with strategy.scope():
+        tf.function(traced).get_concrete_function(*batch_spec)
+    return found.get("plan", ClassPlan.one_class())

@@ -168,3 +168,45 @@ def test_a_decision_known_when_traced_needs_no_conditional():
         np.testing.assert_allclose(variable.numpy(), value - grad, rtol=1e-6)
     assert int(accumulator.micro_step.numpy()) == 0
     assert int(optimizer.iterations.numpy()) == 1
+
+
+def test_one_normaliser_class_is_the_one_entry_case_of_several():
+    # One class: every variable sums into its one sum, no further state; a
+    # routing of two classes adds a divisor, a reference and a sum for each
+    # variable both reach; going back to one class drops them again. The
+    # state of one class is a prefix of that of several (files stay readable).
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+    variables = model.trainable_variables
+    accumulator = GradientAccumulator(2, variables)
+    assert accumulator.num_classes == 1
+    assert accumulator.routing == ((0,),) * len(variables)
+    one_class_state = [id(v) for v in accumulator.state_variables]
+    assert len(one_class_state) == 4 + len(variables)
+
+    accumulator.configure_classes([(0, 1), (0, 1), (1,), (1,)], variables)
+    assert accumulator.num_classes == 2
+    assert len(accumulator.class_gradient_sums) == 2  # the first layer's two variables
+    assert [id(v) for v in accumulator.state_variables][: len(one_class_state)] == one_class_state
+    assert len(accumulator.state_variables) == len(one_class_state) + 1 + 1 + 2
+
+    accumulator.configure_classes(None, variables)
+    assert accumulator.num_classes == 1
+    assert [id(v) for v in accumulator.state_variables] == one_class_state
+
+
+def test_a_state_saved_without_the_classes_routing_loads_as_one_class():
+    # Files written before the routing was saved for every accumulator hold
+    # the one-class state only.
+    values = [np.full((3, 4), 2.0, "float32"), np.full((4,), 3.0, "float32")]
+    saved = _accumulator_with_sums(values)
+    store = {}
+    saved.save_state(store)
+    assert "accumulator_classes" in store
+    del store["accumulator_classes"]
+    variables = [keras.Variable(np.zeros_like(v)) for v in values]
+    loaded = GradientAccumulator(2, variables)
+    loaded.load_state(store, "model", variables)
+    assert loaded.num_classes == 1
+    assert int(loaded.micro_step.numpy()) == 1
+    for acc, value in zip(loaded.gradient_sums, values):
+        np.testing.assert_array_equal(acc.numpy(), value)
