@@ -133,7 +133,7 @@ def _scatter_add_in_place(variable, slices):
     scatter is TensorFlow's own in-place op on it (without a strategy, the
     variable itself).
     """
-    tf.raw_ops.ResourceScatterAdd(
+    return tf.raw_ops.ResourceScatterAdd(
         resource=variable.handle,
         indices=slices.indices,
         updates=ops.cast(slices.values, variable.dtype),
@@ -254,12 +254,11 @@ def _replica_local(value, shape, dtype, name, aggregation):
 
 def _add_in_place(acc, grad):
     if isinstance(grad, tf.IndexedSlices):
-        _scatter_add_in_place(acc, grad)
-    else:
-        # The TensorFlow variable's own assign_add adds in place
-        # (Keras's `Variable.assign_add` is `assign(self + value)`,
-        # which allocates a new sum every micro-step).
-        acc.assign_add(ops.cast(grad, "float32"))
+        return _scatter_add_in_place(acc, grad)
+    # The TensorFlow variable's own assign_add adds in place (Keras's
+    # `Variable.assign_add` is `assign(self + value)`, which allocates a new
+    # sum every micro-step).
+    return acc.assign_add(ops.cast(grad, "float32"))
 
 
 class _ClassLayout:
@@ -773,12 +772,17 @@ class GradientAccumulator(tf.Module):
         weights = [ops.cast(d, "float32") / replicas for d in divisors]
         if self._reduce_every_micro_step:
             slot_grads, weights = _all_reduce_in_replica(slot_grads, weights)
-        for (_, _, acc), grad in zip(self._slots(), slot_grads):
-            if grad is not None:
-                _add_in_place(acc, grad)
-        for total, weight in zip(self._weight_sums(), weights):
-            total.assign_add(weight)
-        self.micro_step.assign_add(1)
+        adds = [
+            _add_in_place(acc, grad)
+            for (_, _, acc), grad in zip(self._slots(), slot_grads)
+            if grad is not None
+        ]
+        adds += [total.assign_add(weight) for total, weight in zip(self._weight_sums(), weights)]
+        # The count moves once every add is done: a read of it marks the
+        # micro-step's end (the model's group function starts the next
+        # micro-step after it).
+        with tf.control_dependencies(adds):
+            self.micro_step.assign_add(1)
         self.traced_slots = [k for k, grad in enumerate(slot_grads) if grad is not None]
         return self.traced_slots
 
