@@ -58,11 +58,6 @@ _KERAS_ARGUMENTS = {"inputs", "outputs", "name", "trainable"} | {
 }
 
 
-# The longest group `fit` unrolls in graph mode (see `_group_function`):
-# tracing grows with the unrolled micro-steps (MobileNetV2 at 64 px, 39 s for 8).
-_UNROLLED_GROUP_LIMIT = 8
-
-
 def _mixed_precision_advice(value):
     if value is False:
         return (
@@ -139,6 +134,16 @@ def _batch_size(x, y):
         "A train step received a batch without any tensor: `x` and `y` are both "
         f"None or empty. Pass the data to `fit`. Received: x={x!r}, y={y!r}"
     )
+
+
+def _after(done, data):
+    """``data``, read once ``done`` (a tensor, or ``None``: at once) is computed."""
+    if done is None:
+        return data
+    with tf.control_dependencies([done]):
+        return tf.nest.map_structure(
+            lambda t: t if t is None else tf.identity(t), data, expand_composites=True
+        )
 
 
 def _first_replica(strategy, value):
@@ -383,7 +388,9 @@ class GradientAccumulateModel(keras.Model):
         Each micro-step's place in the group is known when the function is
         traced, so nothing is decided at run time: the ``len(batches) - 1``
         first micro-steps only add to the sums, the last one also updates (no
-        conditional). Call it in replica context, as Keras calls
+        conditional). The micro-steps run one after the other (each reads
+        its batch once the previous one has added its gradients), so that one
+        batch's activations are alive at a time. Call it in replica context, as Keras calls
         ``train_step``, at the start of a group (no micro-step pending).
 
         Args:
@@ -394,10 +401,12 @@ class GradientAccumulateModel(keras.Model):
             The logs of the last micro-step (the metrics over every
             micro-step seen since they were reset).
         """
-        logs = None
-        for index, data in enumerate(batches):
-            logs = self._micro_step(data, (index, len(batches), index == len(batches) - 1))
-        return logs
+        done = None
+        for index, data in enumerate(batches[:-1]):
+            position = (index, len(batches), False)
+            done = self._marked_micro_step(_after(done, data), position)
+        last = (len(batches) - 1, len(batches), True)
+        return self._micro_step(_after(done, batches[-1]), last)
 
     def _micro_step(self, data, position=None, update=True):
         """One micro-step; ``position``: ``(index, group length, ends group)`` if known.
@@ -722,7 +731,7 @@ class GradientAccumulateModel(keras.Model):
                 for size in sizes:
                     length = tf.constant(size, "int32")
                     if not jit:
-                        logs = self._group_function(size)(iterator, length)
+                        logs = self._group_function()(iterator, length)
                         continue
                     for index in range(size):
                         step = self._placed_step_function(index == size - 1)
@@ -735,25 +744,23 @@ class GradientAccumulateModel(keras.Model):
             self._train_functions[count] = groups
         return self._train_functions[count]
 
-    def _group_function(self, size):
-        """A whole group of ``size`` micro-steps in one function: ``(iterator, length) -> logs``.
+    def _group_function(self):
+        """A whole group in one function: ``(iterator, length) -> logs``, for every length.
 
-        A group of ``accum_steps`` up to ``_UNROLLED_GROUP_LIMIT`` has its
-        micro-steps unrolled: traced ``size`` times. A longer group, and an
-        epoch's shorter last group, run their micro-steps but the last in a
-        ``tf.while_loop``: one function for all of them (the length is its
-        argument), two traces of a micro-step (MobileNetV2,
-        ``accum_steps=8``: 14 s of tracing against 39 s unrolled).
-
-        Each micro-step fetches its batch once the previous one has added its
-        gradients (:meth:`_marked_micro_step`): nothing else orders them (the
-        weights do not change inside a group), and TensorFlow would run the
-        micro-steps' forward passes side by side, holding the activations of
-        several micro-batches at once (MobileNetV2, ``accum_steps=8``: the
-        allocator's peak 2.9x plain ``fit``'s at the micro-batch).
+        The micro-steps but the last run in a ``tf.while_loop``, one after
+        the other: each fetches its batch once the previous one has added
+        its gradients (:meth:`_marked_micro_step`). Nothing else orders them
+        (the weights do not change inside a group), and TensorFlow would run
+        their forward passes side by side, holding several micro-batches'
+        activations: MobileNetV2 at 128 px, ``accum_steps=8``, with the
+        micro-steps unrolled and unordered, peaked with plain batch 128's
+        RSS. Unrolled in order, the graph of eight micro-steps kept +655 MiB
+        of RSS over plain ``fit`` where the loop, which traces a micro-step
+        twice whatever the length, is 85 MiB below it, as fast per
+        micro-batch (``benchmarks/memory.py``, ``benchmarks/fit_time.py``;
+        the figures are on the benchmarks page).
         """
-        looped = size != self.accum_steps or size > _UNROLLED_GROUP_LIMIT
-        key = ("group", "looped" if looped else size)
+        key = "group"
         if key not in self._train_functions:
             strategy = self.distribute_strategy
 
@@ -767,13 +774,9 @@ class GradientAccumulateModel(keras.Model):
 
             def group(iterator, length):
                 done = tf.zeros((), "int64")
-                if looped:
-                    for index in tf.range(length - 1):
-                        done = marked(after(done, iterator), (index, length, False))
-                else:
-                    for index in range(size - 1):
-                        done = marked(after(done, iterator), (index, size, False))
-                last = (length - 1, length, True) if looped else (size - 1, size, True)
+                for index in tf.range(length - 1):
+                    done = marked(after(done, iterator), (index, length, False))
+                last = (length - 1, length, True)
                 logs = strategy.run(self._micro_step, args=(after(done, iterator), last))
                 return reduce_replica_logs(logs, strategy)
 
@@ -791,7 +794,7 @@ class GradientAccumulateModel(keras.Model):
         the group's last micro-step gives them).
         """
         self._micro_step(data, position)
-        return ops.convert_to_tensor(self._accumulator.micro_step)
+        return self._accumulator.micro_step.read_value()
 
     def _placed_step_function(self, ends_group):
         """The XLA-compiled micro-step ``(data, index, length) -> logs``; it only adds.

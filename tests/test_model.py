@@ -65,12 +65,10 @@ def test_equals_big_batch_in_every_execution_mode(mode):
 
 
 @pytest.mark.parametrize("mode", ["graph", "steps_per_execution"], ids=str)
-def test_groups_longer_than_the_unrolled_ones_equal_big_batch(mode):
-    # Groups of more than `_UNROLLED_GROUP_LIMIT` micro-steps, and the
-    # epoch's shorter last group (here 5), run in a loop, not unrolled.
-    from gradient_accumulator.model import _UNROLLED_GROUP_LIMIT
-
-    accum_steps = _UNROLLED_GROUP_LIMIT + 2
+def test_long_groups_and_a_shorter_last_one_equal_big_batch(mode):
+    # Groups of 10 micro-steps and the epoch's shorter last group (here 5)
+    # run in one looped function.
+    accum_steps = 10
     x, y = make_regression_data(num_samples=MICRO_BATCH * (2 * accum_steps + 5))
     reference, accumulating = train_pair(
         build_dense,
@@ -491,40 +489,61 @@ def test_group_step_equals_big_batch_without_a_conditional(jit_compile):
     assert _conditionals(per_micro_step.graph)
 
 
+def _adds_before(op, sums):
+    """The names of the in-place adds into ``sums`` (captured handles' names) ``op`` waits for."""
+    found, seen, stack = set(), set(), [op]
+    while stack:
+        current = stack.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent.name in seen:
+                continue
+            seen.add(parent.name)
+            if parent.type == "AssignAddVariableOp" and parent.inputs[0].op.name in sums:
+                found.add(parent.name)
+            stack.append(parent)
+    return found
+
+
+def _captured_names(graph, variables):
+    handles = {id(v.handle) for v in variables}
+    return {inside.op.name for outside, inside in graph.captures if id(outside) in handles}
+
+
 def test_a_group_runs_its_micro_steps_one_after_the_other():
     # The weights do not change inside a group, so nothing but the group
     # function orders its micro-steps: TensorFlow ran their forward passes
-    # side by side, holding several micro-batches' activations (MobileNetV2,
-    # accum_steps=8: the allocator's peak 2.9x plain fit's at the
-    # micro-batch). Each micro-step's batch is fetched after the previous
-    # micro-step's adds into the sums.
+    # side by side, holding several micro-batches' activations (MobileNetV2
+    # at 128 px, accum_steps=8: plain batch 128's peak RSS). Each micro-step's
+    # batch is read after the previous micro-step's adds into the sums: in
+    # fit's loop (its batch fetched under a dependency on the marker the
+    # previous iteration carries) and in group_step (unrolled).
     x, y = make_regression_data()
     model = build_dense(GradientAccumulateModel, accum_steps=4)
     model.compile(OPTIMIZERS["adam"](), "mse")
     model.fit(x, y, batch_size=MICRO_BATCH, epochs=1, shuffle=False, verbose=0)
-    (group,) = model._train_functions[("group", 4)]._list_all_concrete_functions()
-    fetches = [op for op in group.graph.get_operations() if op.type == "IteratorGetNext"]
-    assert len(fetches) == 4
-    sums = {id(acc.handle) for acc in model._accumulator.gradient_sums}
-    captured = {inside.op.name for outside, inside in group.graph.captures if id(outside) in sums}
-
-    def adds_before(op):
-        """The in-place adds into the sums that ``op`` waits for."""
-        found, seen, stack = set(), set(), [op]
-        while stack:
-            current = stack.pop()
-            for parent in [t.op for t in current.inputs] + list(current.control_inputs):
-                if parent.name in seen:
-                    continue
-                seen.add(parent.name)
-                if parent.type == "AssignAddVariableOp" and parent.inputs[0].op.name in captured:
-                    found.add(parent.name)
-                stack.append(parent)
-        return found
-
-    waited = [len(adds_before(fetch)) for fetch in fetches]
     variables = len(model._accumulator.gradient_sums)
-    assert waited == [0, variables, 2 * variables, 3 * variables]
+
+    (group,) = model._train_functions["group"]._list_all_concrete_functions()
+    (loop,) = [op for op in group.graph.get_operations() if op.type in ("While", "StatelessWhile")]
+    body = group.graph._functions[loop.get_attr("body").name].graph
+    (fetch,) = [op for op in body.get_operations() if op.type == "IteratorGetNext"]
+    (carried,) = [i for i, t in enumerate(body.inputs) if t.op in fetch.control_inputs]
+    sums = _captured_names(body, model._accumulator.gradient_sums)
+    assert len(_adds_before(body.outputs[carried].op, sums)) == variables
+
+    one_group = _train_by_groups(model, (x, y), 4)
+    group = _groups((x, y), MICRO_BATCH, 4)[0]
+    graph = one_group.get_concrete_function(group).graph
+    sums = _captured_names(graph, model._accumulator.gradient_sums)
+    first_layer = [op for op in graph.get_operations() if op.type == "MatMul"]
+    # The first MatMul of each micro-step's forward pass (4 micro-steps).
+    forwards = first_layer[:: len(first_layer) // 4][:4]
+    assert [len(_adds_before(op, sums)) for op in forwards] == [
+        0,
+        variables,
+        2 * variables,
+        3 * variables,
+    ]
 
 
 def test_fit_under_xla_compiles_the_update_apart_from_the_micro_steps():
