@@ -708,17 +708,11 @@ class GradientAccumulateModel(keras.Model):
         Each group is one call of :meth:`_group_function` in graph mode;
         with ``jit_compile``, one XLA computation per micro-step that only
         adds to the sums (:meth:`_placed_step_function`), its batch fetched
-        just before it (one computation for a whole group kept several
-        micro-steps' buffers alive: the allocator's peak on the MLP of
-        ``benchmarks/memory.py`` was 2.6x the sums, against 0.2x), then one
-        computation of the update (:meth:`_placed_update_function`). A last
-        micro-step that also updated, in one computation, needed 144-192 MiB
-        of temporaries on that MLP (gradients, the summed gradients and the
-        optimizer's) against 65-128 for adding and 80-128 for the update
-        apart: it pushed TensorFlow's CPU allocator (a BFC pool on builds
-        with oneDNN) past its 512 MiB pool into a new 512 MiB region, whose
-        touched pages stayed resident: +171 MiB of RSS over plain Keras
-        against +16 MiB of allocator peak.
+        just before it, then one computation of the update
+        (:meth:`_placed_update_function`): one computation for a whole group,
+        or for a micro-step and the update, held more temporaries at once,
+        which TensorFlow's CPU allocator pool keeps resident once it has
+        grown for them (the figures are on the benchmarks page).
         """
         if count not in self._train_functions:
             sizes = [self.accum_steps] * (count // self.accum_steps)
@@ -752,13 +746,10 @@ class GradientAccumulateModel(keras.Model):
         its gradients (:meth:`_marked_micro_step`). Nothing else orders them
         (the weights do not change inside a group), and TensorFlow would run
         their forward passes side by side, holding several micro-batches'
-        activations: MobileNetV2 at 128 px, ``accum_steps=8``, with the
-        micro-steps unrolled and unordered, peaked with plain batch 128's
-        RSS. Unrolled in order, the graph of eight micro-steps kept +655 MiB
-        of RSS over plain ``fit`` where the loop, which traces a micro-step
-        twice whatever the length, is 85 MiB below it, as fast per
-        micro-batch (``benchmarks/memory.py``, ``benchmarks/fit_time.py``;
-        the figures are on the benchmarks page).
+        activations. A loop, not the micro-steps unrolled: a micro-step is
+        traced twice whatever the length, and the graph stays one
+        micro-step's size (unrolled, it held hundreds of MiB more on
+        MobileNetV2; the figures are on the benchmarks page).
         """
         key = "group"
         if key not in self._train_functions:
