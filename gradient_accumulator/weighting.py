@@ -172,11 +172,12 @@ def weigh_classes(micro_loss, plan, accumulator, micro, tape, owner):
     weighted = []
     for c, ((positions, kind), objective) in enumerate(zip(found.partition, objectives)):
         if kind == SUM:
-            extra = ops.zeros((), loss.dtype)
+            summed = _sum_scale() * objective
             if c == found.extras_class and micro_loss.additional_losses:
+                # The weight regularizers once per group, as the big batch counts them.
                 extra = _additional_total(micro_loss.additional_losses, loss.dtype)
-            once = ops.cast(first, loss.dtype) * extra
-            weighted.append((_sum_scale() * (objective - extra) + once, first))
+                summed = _sum_scale() * (objective - extra) + ops.cast(first, loss.dtype) * extra
+            weighted.append((summed, first))
             continue
         term = None if kind == SAMPLES else terms[positions[0]]
         normaliser, capacity = _normaliser_and_capacity(term, micro_loss.batch_size)
