@@ -297,6 +297,47 @@ def _mean(total, weight):
     return tf.math.divide_no_nan(total, ops.cast(weight, total.dtype))
 
 
+def _group_means(plan, sums, weights, count):
+    """Per variable, ``sum_c G_c / W_c`` over its classes; ``None`` where no sum is present.
+
+    One variable after the other (each waits for the previous one's), so
+    that one mean's temporary is alive at a time beside the optimizer's.
+    Where the sums are this replica's accumulators themselves (one replica,
+    or sums reduced at every micro-step), each mean is written into its
+    variable's first sum, which takes the new buffer and frees its own, and
+    the optimizer reads it from there: the means then cost one variable's
+    buffer at a time, not the size of every gradient (the sums are emptied
+    after the update anyway). Elsewhere ``sums`` are the all-reduced tensors.
+
+    Args:
+        plan: The update's :class:`_UpdatePlan`.
+        sums: One tensor per entry of ``plan.slots`` (the reduced sums).
+        weights: Per class, the group's divisor.
+        count: The number of variables.
+    """
+    in_place = plan.reduced_every_micro_step or (
+        tf.distribute.get_strategy().num_replicas_in_sync == 1
+    )
+    terms = {}
+    for (i, c, acc), total in zip(plan.slots, sums):
+        terms.setdefault(i, []).append((acc, acc if in_place else total, c))
+    means = [None] * count
+    previous = []
+    for i, entries in terms.items():
+        with tf.control_dependencies(previous):
+            mean = None
+            for _, total, c in entries:
+                term = _mean(total, weights[c])
+                mean = term if mean is None else mean + term
+            if in_place:
+                first = entries[0][0]
+                with tf.control_dependencies([first.assign(mean, read_value=False)]):
+                    mean = first.read_value()
+        means[i] = mean
+        previous = [mean]
+    return means
+
+
 def _sum_name(variable):
     path = getattr(variable, "path", None) or variable.name
     return path.replace("/", "_").replace(":", "_") + "_accumulator"
@@ -825,10 +866,7 @@ class GradientAccumulator(tf.Module):
         sums, weights, statistic_sums = plan.split(reduced)
         for (_, apply_statistics), total in zip(plan.statistics, statistic_sums):
             apply_statistics(total)
-        means = [None] * len(variables)
-        for (i, c, _), total in zip(plan.slots, sums):
-            term = _mean(total, weights[c])
-            means[i] = term if means[i] is None else means[i] + term
+        means = _group_means(plan, sums, weights, len(variables))
         mean_grads = [
             None if m is None else ops.cast(m, var.dtype) for var, m in zip(variables, means)
         ]
@@ -848,10 +886,9 @@ class GradientAccumulator(tf.Module):
         """Empties the group (call in replica context).
 
         The sums are zeroed in place (``s + (-s)`` is exactly 0 for finite
-        ``s``), so each keeps the buffer it was created with for the whole
-        run; assigning new zero tensors would give every sum a fresh buffer
-        at each update, which raises peak memory (the figures are on the
-        benchmarks page of the documentation).
+        ``s``); assigning new zero tensors would allocate every sum's size
+        at once at each update, which raises peak memory (the figures are on
+        the benchmarks page of the documentation).
 
         Args:
             check_finite: Boolean. ``True`` where training goes on after a

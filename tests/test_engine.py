@@ -130,11 +130,71 @@ def test_the_sums_are_emptied_after_the_optimizer_writes_the_variables():
         ]
         assert len(writes) == 1, acc.name  # the reset's s + (-s)
         # The reset's read of the sum (the first op of its negation) waits
-        # for reads of the model's variables made after the optimizer's writes.
+        # for reads of the model's variables made after the optimizer's writes
+        # (and for the sum's own write, the group's mean written into it).
         read = writes[0].inputs[1].op.inputs[0].op
         assert read.type == "ReadVariableOp", read.type
-        waits_for = {op.name for op in read.control_inputs}
+        own = {
+            op.name
+            for op in read.control_inputs
+            if op.type == "AssignVariableOp" and any(op.inputs[0] is t for t in inputs)
+        }
+        waits_for = {op.name for op in read.control_inputs} - own
         assert waits_for and waits_for <= model_reads, (acc.name, waits_for)
+
+
+def test_each_mean_is_written_into_its_sum_one_variable_after_the_other():
+    # With one replica the optimizer reads each mean from its sum, which the
+    # mean replaces, and the means are computed one after the other: they
+    # cost one variable's buffer at a time beside the optimizer's temporaries
+    # (benchmarks/memory.py's MLP: the update's allocator peak above the idle
+    # process went from 191.5 MiB, every mean a tensor of its own, to 128).
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(5), keras.layers.Dense(2)]
+    )
+    variables = model.trainable_variables
+    optimizer = keras.optimizers.SGD(1.0)
+    optimizer.build(variables)
+    accumulator = GradientAccumulator(2, variables)
+    grads = [np.full(v.shape, 3.0, "float32") for v in variables]
+    before = [v.numpy() for v in variables]
+
+    @tf.function
+    def update(grads):
+        accumulator.step(grads, 2.0, True, optimizer, variables)
+
+    update(grads)
+    # The group's weight is 2.0: each mean is 3.0 / 2.0.
+    for variable, start in zip(variables, before):
+        np.testing.assert_allclose(variable.numpy(), start - 1.5, rtol=0, atol=1e-6)
+    for acc in accumulator.gradient_sums:
+        np.testing.assert_array_equal(acc.numpy(), 0.0)
+    graph = update.get_concrete_function(grads).graph
+    divisions = [op for op in graph.get_operations() if op.type == "DivNoNan"]
+    assert len(divisions) == len(variables)
+    writes = {
+        op.inputs[1].op.name: op for op in graph.get_operations() if op.type == "AssignVariableOp"
+    }
+    previous = None
+    for acc, division in zip(accumulator.gradient_sums, divisions):
+        read = division.inputs[0].op
+        assert read.type == "ReadVariableOp"
+        handles = _captured(graph, acc)
+        assert any(read.inputs[0] is t for t in handles), acc.name
+        # The mean replaces the sum ...
+        assert any(writes[division.name].inputs[0] is t for t in handles), acc.name
+        # ... after the previous variable's mean was written and read back.
+        if previous is not None:
+            waits_for = []
+            for op in read.control_inputs:
+                while op.type == "Identity":
+                    op = op.inputs[0].op
+                if op.type == "ReadVariableOp":
+                    waits_for.append(op.inputs[0])
+            assert any(
+                any(handle is t for t in _captured(graph, previous)) for handle in waits_for
+            ), (acc.name, [op.name for op in read.control_inputs])
+        previous = acc
 
 
 def test_a_decision_known_when_traced_needs_no_conditional():
