@@ -11,7 +11,6 @@ from keras import ops
 from gradient_accumulator._compat import (
     check_optimizer_knows,
     loss_scale_optimizer_building,
-    optimizer_own_variables,
     optimizer_variable_index,
     optimizer_variables_in_build_order,
     set_optimizer_own_iterations,
@@ -39,6 +38,37 @@ _INNER_ARGUMENTS = (
 )
 
 
+# The base class's attributes that configure the update: on the wrapper they
+# read and set the inner optimizer's (the base class sets its defaults before
+# the inner optimizer exists; those are the inner optimizer's business).
+_FORWARDED_ATTRIBUTES = (
+    "weight_decay",
+    "clipnorm",
+    "clipvalue",
+    "global_clipnorm",
+    "use_ema",
+    "ema_momentum",
+    "ema_overwrite_frequency",
+)
+
+
+def _forwarded_attribute(name):
+    def get(self):
+        inner = getattr(self, "inner_optimizer", None)
+        if inner is None or getattr(self, "_recording_build", False):
+            # The base class's `build` reads `use_ema` to make averages of
+            # its own: the inner optimizer keeps them.
+            return None if name != "use_ema" else False
+        return getattr(inner, name)
+
+    def set_(self, value):
+        inner = getattr(self, "inner_optimizer", None)
+        if inner is not None:
+            setattr(inner, name, value)
+
+    return property(get, set_, doc=f"The inner optimizer's ``{name}`` (readable and settable).")
+
+
 def _resolve_optimizer(optimizer):
     """Returns ``optimizer`` as a Keras optimizer instance or raises naming it."""
     if isinstance(optimizer, (str, dict)):
@@ -57,6 +87,11 @@ def _resolve_optimizer(optimizer):
             f"optimizer={optimizer!r} of type {type(optimizer).__name__}"
         )
     return optimizer
+
+
+def _variable_name(variable):
+    # A `tf.Variable` has no `path`.
+    return getattr(variable, "path", variable.name)
 
 
 def _innermost(optimizer):
@@ -267,14 +302,16 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     Everything else that shapes the update (``learning_rate`` and its
     schedule, ``weight_decay``, ``clipnorm``, ``global_clipnorm``,
     ``clipvalue``, ``use_ema``, ``loss_scale_factor``) is set on the inner
-    optimizer. ``learning_rate`` reads and sets the inner optimizer's, so
-    ``keras.callbacks.LearningRateScheduler`` and ``ReduceLROnPlateau`` work.
+    optimizer. Read or set on the wrapper, these attributes are the inner
+    optimizer's (``learning_rate`` too, so
+    ``keras.callbacks.LearningRateScheduler`` and ``ReduceLROnPlateau``
+    work), and ``exclude_from_weight_decay``, ``update_step``,
+    ``finalize_variable_values`` and ``add_variable`` act on it.
 
-    State: ``variables`` holds this wrapper's own two Keras bookkeeping
-    variables (an unused ``iteration`` and ``learning_rate``, as in
-    ``LossScaleOptimizer``), then the inner optimizer's variables;
-    ``accumulation_variables`` holds the accumulation state created in
-    ``build()`` (replica-local TensorFlow variables, float32 sums):
+    State: ``variables`` are the inner optimizer's (``set_weights`` sets
+    them, one array each); ``accumulation_variables`` holds the
+    accumulation state created in ``build()`` (replica-local TensorFlow
+    variables, float32 sums):
 
     - ``<variable>_accumulator`` per trainable variable: ``sum_i(g_i)`` of the
       current group (dense, the variable's shape).
@@ -375,6 +412,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self.eps = eps
         self.reduce_every_micro_step = reduce_every_micro_step
         self._accumulator = None
+        self._recording_build = False
+        self._scaled_before_build = False
 
     def build(self, var_list):
         """Builds the inner optimizer (unless built) and the accumulation state.
@@ -401,7 +440,21 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 name="accumulator",
             )
         self._apply_inner = _PresentGradients(self.inner_optimizer)
-        super().build(var_list)
+        # The base class records the variables and their order; its `use_ema`
+        # reads False meanwhile (the inner optimizer holds the averages).
+        self._recording_build = True
+        try:
+            super().build(var_list)
+        finally:
+            self._recording_build = False
+        if self._scaled_before_build:
+            # `scale_loss` weighted the first micro-step before the state
+            # existed (by `_share_before_build`): the same weight, recorded.
+            accumulator = self._accumulator
+            accumulator.set_pending_weight(
+                accumulator.share(1.0, 1.0, accumulator.planned_micro_step())
+            )
+            self._scaled_before_build = False
 
     def apply(self, grads, trainable_variables=None):
         """Accumulates ``grads``; on an update step, applies the group's mean.
@@ -427,9 +480,15 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         else:
             trainable_variables = list(trainable_variables)
             if not self.built:
-                # Variables created outside the traced step (as Keras >= 3.5's
-                # fit does by building first): inside it, the update's
-                # conditional cannot initialize them under tf.distribute.
+                if not self.inner_optimizer.built:
+                    # Where Keras's own `apply` builds it, in the traced step:
+                    # a build that reads the model's variables (ScheduleFreeAdamW
+                    # copies them) must read them there, where a model built by
+                    # that step has them (outside, they are uninitialized).
+                    self.inner_optimizer.build(trainable_variables)
+                # The accumulation state is created outside the traced step (as
+                # Keras >= 3.5's fit does by building first): inside it, the
+                # update's conditional cannot initialize it under tf.distribute.
                 with tf.init_scope():
                     self.build(trainable_variables)
             check_optimizer_knows(self, trainable_variables)
@@ -441,6 +500,15 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             )
         if all(g is None for g in grads):
             raise ValueError("No gradients provided for any variable.")
+        missing = [_variable_name(v) for g, v in zip(grads, trainable_variables) if g is None]
+        if missing:
+            # Keras's own warning, for the variables the caller gave no gradient.
+            warnings.warn(
+                f"Gradients do not exist for variables {missing} when minimizing the "
+                "loss. If using `model.compile()`, did you forget to provide a `loss` "
+                "argument?",
+                stacklevel=2,
+            )
         # The engine sums into one fixed list: the variables of `build`.
         built_with = optimizer_variables_in_build_order(self)
         ordered = [None] * len(built_with)
@@ -542,14 +610,70 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     @property
     def variables(self):
-        """The Keras variables: this wrapper's two bookkeeping ones, then the inner optimizer's.
+        """The inner optimizer's variables: its ``iterations``, learning rate and slots.
 
-        The accumulation state (TensorFlow variables, see "State" in the
-        class description) is not among them, as Keras code that walks
-        ``variables`` expects Keras variables; ``accumulation_variables``
-        lists it, and saving includes it.
+        What the inner optimizer alone would list, so ``set_weights`` takes a
+        plain optimizer's ``variables`` and a plain optimizer takes these.
+        The base class's two bookkeeping variables of the wrapper are unused
+        and not listed. The accumulation state (TensorFlow variables, see
+        "State" in the class description) is not among them either, as Keras
+        code that walks ``variables`` expects Keras variables;
+        ``accumulation_variables`` lists it, and saving includes it.
         """
-        return optimizer_own_variables(self)[:] + self.inner_optimizer.variables
+        return self.inner_optimizer.variables
+
+    def set_weights(self, weights):
+        """Sets :attr:`variables` (the inner optimizer's), all of them.
+
+        The accumulation state is not among them: a group in progress goes on.
+
+        Args:
+            weights: One array per entry of :attr:`variables`, in that order
+                (e.g. another optimizer's ``variables``).
+
+        Raises:
+            ValueError: If the optimizer is not built, or ``weights`` has not
+                one entry per variable (Keras's own ``set_weights`` would set
+                the first ones and ignore the rest).
+        """
+        if not self.built:
+            raise ValueError(
+                "You are calling `set_weights()` on an optimizer that has not "
+                "yet been built. Please call `optimizer.build(trainable_variables)` "
+                "to create the optimizer weights before calling `set_weights()`."
+            )
+        weights = list(weights)
+        if len(weights) != len(self.variables):
+            raise ValueError(
+                "`weights` must have one entry per variable of the optimizer "
+                f"(`optimizer.variables`, the inner optimizer's: {len(self.variables)}). "
+                f"Received: {len(weights)} weights"
+            )
+        self.inner_optimizer.set_weights(weights)
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Excludes variables from the inner optimizer's weight decay (see Keras's method)."""
+        self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
+
+    def update_step(self, gradient, variable, learning_rate):
+        """The inner optimizer's update rule for one variable, applied now (no accumulation).
+
+        Keras's optimizers call it from ``apply``; here the inner optimizer
+        does, with the group's mean.
+        """
+        return self.inner_optimizer.update_step(gradient, variable, learning_rate)
+
+    def add_variable(self, *args, **kwargs):
+        """Creates a variable of the inner optimizer (listed in :attr:`variables`, saved)."""
+        return self.inner_optimizer.add_variable(*args, **kwargs)
+
+    def add_variable_from_reference(self, *args, **kwargs):
+        """Creates a variable of the inner optimizer shaped like a model variable."""
+        return self.inner_optimizer.add_variable_from_reference(*args, **kwargs)
+
+    def add_optimizer_variables(self, *args, **kwargs):
+        """Creates variables of the inner optimizer, one per model variable (Keras >= 3.10)."""
+        return self.inner_optimizer.add_optimizer_variables(*args, **kwargs)
 
     @property
     def accumulation_variables(self):
@@ -603,8 +727,16 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 "`capacity` is the reference of `normaliser` and needs it. "
                 f"Received: normaliser=None, capacity={capacity!r}"
             )
+        loss = ops.convert_to_tensor(loss)
+        if accumulator is None and normaliser is None and tf.executing_eagerly():
+            # `fit` with `run_eagerly=True` builds the optimizer at its first
+            # `apply`, after this: the first micro-step's weight is kept until
+            # then. It is the group's first, of equal weight: 1 / its micro-steps.
+            self._scaled_before_build = True
+            share = ops.cast(self._share_before_build(), loss.dtype)
+            return self.inner_optimizer.scale_loss(loss * share)
         if accumulator is None:
-            if normaliser is not None or tf.executing_eagerly():
+            if normaliser is not None:
                 # A first micro-step weighted 1 and later ones by their share
                 # would not be the big batch: refuse rather than mix them.
                 raise ValueError(
@@ -708,5 +840,20 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             stacklevel=3,
         )
 
+    def _share_before_build(self):
+        """The weight of a group's first, equal micro-step: 1 / its planned micro-steps.
+
+        What the accumulation state's ``share(1, 1, ...)`` gives it once built.
+        """
+        steps = self.accum_steps
+        if callable(steps):
+            steps = max(int(steps(tf.constant(0, "int64"))), 1)
+        return 1.0 / steps
+
     def _clip_adaptively(self, grads, variables):
         return adaptive_clip_gradients(grads, variables, self.clip_factor, self.eps)
+
+
+for _name in _FORWARDED_ATTRIBUTES:
+    setattr(GradientAccumulateOptimizer, _name, _forwarded_attribute(_name))
+del _name
