@@ -404,4 +404,5 @@ class _Probe(unittest.TestCase):
         variable = keras.Variable([1.0, 2.0])
         optimizer.apply_gradients([(keras.ops.ones((2,)), variable)])
         assert type(optimizer) is GradientAccumulateOptimizer
-        self.seen = (optimizer.accum_steps, int(optimizer.iterations), variable.numpy().tolist())
+        updates = int(optimizer.iterations.numpy())
+        self.seen = (optimizer.accum_steps, updates, variable.numpy().tolist())
