@@ -196,6 +196,7 @@ INHERENT_FAILURES_WHEN_ACCUMULATING = {
 
 class _Harness(threading.local):
     accum_steps = 1
+    active = False  # True during a test of this module: optimizers are wrapped
     unwrapped = 0  # > 0 while building optimizers that must stay as they are
 
 
@@ -218,18 +219,39 @@ def _is_composite(cls):
 
 
 def _wrapping_new(cls, *args, **kwargs):
-    # `Optimizer.__new__` for the duration of a test: an optimizer class's
+    # `Optimizer.__new__` during a test of this module: an optimizer class's
     # call returns the wrapper. Python runs `__init__` only on an instance of
     # the class called, so the inner optimizer is initialised here, once.
+    # Outside these tests it is `object.__new__` (see `_install_wrapping_new`).
     from keras.src.optimizers.optimizer import Optimizer
 
     optimizer = object.__new__(cls)
     # `Optimizer` itself: Keras's reference object (saving compares with it),
     # never trained; a wrapper returned for it would be initialised again.
-    if _harness.unwrapped or cls is Optimizer or _is_composite(cls):
+    if not _harness.active or _harness.unwrapped or cls is Optimizer or _is_composite(cls):
         return optimizer
     optimizer.__init__(*args, **kwargs)
     return GradientAccumulateOptimizer(optimizer, accum_steps=_harness.accum_steps)
+
+
+def _install_wrapping_new():
+    """Sets ``_wrapping_new`` as ``Optimizer.__new__`` for the rest of the process.
+
+    Installed once and left in place (inactive outside this module's tests):
+    deleting a ``__new__`` set on a class, as ``mock.patch`` does when the
+    test ends, leaves CPython's constructor slot of the class calling
+    ``object.__new__`` with the constructor's arguments, which then fails in
+    every later test that builds an optimizer.
+    """
+    from keras.src.optimizers.optimizer import Optimizer
+
+    current = Optimizer.__dict__.get("__new__")
+    if current is None or current.__func__ is not _wrapping_new:
+        Optimizer.__new__ = staticmethod(_wrapping_new)
+
+
+def _deactivate():
+    _harness.active = False
 
 
 def _from_config_unwrapped(original):
@@ -297,11 +319,12 @@ def _in_mode(case, mode):
     original_set_up = case.setUp
 
     def setUp(self):
-        from keras.src.optimizers.optimizer import Optimizer
 
+        _install_wrapping_new()
         _harness.accum_steps = accum_steps
+        _harness.active = True
+        self.addCleanup(_deactivate)
         patches = [
-            mock.patch.object(Optimizer, "__new__", staticmethod(_wrapping_new)),
             mock.patch.object(
                 GradientAccumulateOptimizer,
                 "from_config",
@@ -392,8 +415,9 @@ def test_the_harness_wraps_and_repeats(mode):
     case.run(result)
     assert result.wasSuccessful(), result.errors + result.failures
     assert case.seen == (MODES[mode], 1, [0.5, 1.5])
-    # Outside, Keras is as it was.
-    assert type(keras.optimizers.SGD()) is keras.optimizers.SGD
+    # Outside, Keras is as it was, constructor arguments included (a `__new__`
+    # removed from the class at the end of a test broke every later one).
+    assert type(keras.optimizers.SGD(0.1, momentum=0.5)) is keras.optimizers.SGD
 
 
 class _Probe(unittest.TestCase):
