@@ -41,14 +41,9 @@ _INNER_ARGUMENTS = (
 # The base class's attributes that configure the update: on the wrapper they
 # read and set the inner optimizer's (the base class sets its defaults before
 # the inner optimizer exists; those are the inner optimizer's business).
-_FORWARDED_ATTRIBUTES = (
-    "weight_decay",
-    "clipnorm",
-    "clipvalue",
-    "global_clipnorm",
-    "use_ema",
-    "ema_momentum",
-    "ema_overwrite_frequency",
+# `learning_rate` and `loss_scale_factor` have properties of their own.
+_FORWARDED_ATTRIBUTES = tuple(
+    name for name in _INNER_ARGUMENTS if name not in ("learning_rate", "loss_scale_factor")
 )
 
 

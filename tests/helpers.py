@@ -6,9 +6,13 @@ initial weights, separate layers), trains one with plain Keras at batch
 ``micro_batch`` on the same data in the same order, and compares weights.
 """
 
+import importlib
+import importlib.util
+import inspect
 import os
 import subprocess
 import sys
+import unittest
 from pathlib import Path
 
 import keras
@@ -459,3 +463,33 @@ def script_results(stdout):
 
     line = next(line for line in reversed(stdout.splitlines()) if line.startswith(RESULTS))
     return json.loads(line[len(RESULTS) :])
+
+
+def install_keras_test_cases(namespace, module_names, import_module, wrap):
+    """Puts wrapped copies of the test cases of Keras's test modules into ``namespace``.
+
+    For every ``unittest.TestCase`` class with tests defined in each module of
+    ``module_names`` (imported by ``import_module(name)``), each class of
+    ``wrap(case, name)`` is set in ``namespace`` (a test module's
+    ``globals()``) under its own name, for pytest to collect. Keras ships its
+    tests in the wheel from 3.15 on; without them nothing is installed.
+
+    Returns:
+        The number of classes installed.
+    """
+    if importlib.util.find_spec(module_names[0]) is None:
+        return 0
+    installed = 0
+    for name in module_names:
+        module = import_module(name)
+        for _, case in inspect.getmembers(module, inspect.isclass):
+            if not (
+                issubclass(case, unittest.TestCase)
+                and case.__module__ == module.__name__
+                and any(attribute.startswith("test") for attribute in dir(case))
+            ):
+                continue
+            for wrapped in wrap(case, name):
+                namespace[wrapped.__name__] = wrapped
+                installed += 1
+    return installed

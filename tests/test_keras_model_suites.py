@@ -32,6 +32,7 @@ import pytest
 
 from gradient_accumulator import GradientAccumulateModel
 from gradient_accumulator._compat import Functional
+from tests.helpers import install_keras_test_cases
 
 # Keras's test modules. A wheel without tests (Keras < 3.15) has none of
 # them and the module collects a skipped placeholder; a wheel with tests must
@@ -137,16 +138,6 @@ def _with_wrapper(case):
     return type(f"TestWrapped_{case.__module__.split('.')[-1]}_{case.__name__}", (case,), namespace)
 
 
-def _cases(module):
-    return [
-        value
-        for _, value in inspect.getmembers(module, inspect.isclass)
-        if issubclass(value, unittest.TestCase)
-        and value.__module__ == module.__name__
-        and any(name.startswith("test") for name in dir(value))
-    ]
-
-
 # `trainer_test.py` imports `jax` at its top but uses it only on the JAX
 # backend and in its cases drawing sparse batches from JAX; without JAX
 # installed, it is imported with a stand-in for `jax`. Cases that need a
@@ -195,17 +186,12 @@ def _skipping_what_cannot_reach_the_wrapper(case, module_name):
     return case
 
 
-_WHEEL_HAS_TESTS = importlib.util.find_spec(KERAS_TEST_MODULES[0]) is not None
-_collected = 0
-for _name in KERAS_TEST_MODULES if _WHEEL_HAS_TESTS else ():
-    _module = _import_without_jax(_name)
-    for _case in _cases(_module):
-        _wrapped = _skipping_what_cannot_reach_the_wrapper(_with_wrapper(_case), _name)
-        globals()[_wrapped.__name__] = _wrapped
-        _collected += 1
-    del _module
-if _collected:
-    del _case, _wrapped  # pytest would collect them again under these names
+_collected = install_keras_test_cases(
+    globals(),
+    KERAS_TEST_MODULES,
+    _import_without_jax,
+    lambda case, name: [_skipping_what_cannot_reach_the_wrapper(_with_wrapper(case), name)],
+)
 
 if not _collected:
 

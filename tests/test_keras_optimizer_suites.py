@@ -40,7 +40,6 @@ import contextlib
 import functools
 import importlib
 import importlib.util
-import inspect
 import threading
 import unittest
 from unittest import mock
@@ -50,6 +49,7 @@ import numpy as np
 import pytest
 
 from gradient_accumulator import GradientAccumulateOptimizer
+from tests.helpers import install_keras_test_cases
 
 KERAS_TEST_MODULES = tuple(
     f"keras.src.optimizers.{name}_test"
@@ -368,28 +368,12 @@ def _copied(method):
     return test
 
 
-def _cases(module):
-    return [
-        value
-        for _, value in inspect.getmembers(module, inspect.isclass)
-        if issubclass(value, unittest.TestCase)
-        and value.__module__ == module.__name__
-        and any(name.startswith("test") for name in dir(value))
-    ]
-
-
-_WHEEL_HAS_TESTS = importlib.util.find_spec(KERAS_TEST_MODULES[0]) is not None
-_collected = 0
-for _name in KERAS_TEST_MODULES if _WHEEL_HAS_TESTS else ():
-    _module = importlib.import_module(_name)
-    for _case in _cases(_module):
-        for _mode in MODES:
-            _wrapped = _in_mode(_case, _mode)
-            globals()[_wrapped.__name__] = _wrapped
-            _collected += 1
-    del _module
-if _collected:
-    del _case, _wrapped  # pytest would collect them again under these names
+_collected = install_keras_test_cases(
+    globals(),
+    KERAS_TEST_MODULES,
+    importlib.import_module,
+    lambda case, name: [_in_mode(case, mode) for mode in MODES],
+)
 
 if not _collected:
 
