@@ -28,6 +28,7 @@ so that clipping sees the global gradient.
 """
 
 import contextlib
+import functools
 import threading
 import warnings
 
@@ -112,15 +113,59 @@ def current_update_step():
     return stack[-1] if stack else None
 
 
-def _all_reduce_in_replica(grads, weights):
-    """Sums the dense gradients and the weights across replicas, in one batch."""
-    present = [g for g in grads if g is not None]
-    dense = [tf.convert_to_tensor(g) for g in present]  # IndexedSlices densified
+def takes_maximum(variable):
+    """Whether ``variable`` takes its group's maximum gradient, not the mean.
+
+    Keras's ``overwrite_with_gradient`` variables (the scales and amax
+    histories of float8 layers, ``model.quantize("float8")``) receive their
+    new value as their "gradient", and the optimizer assigns it. A float8
+    layer's new amax history is the old one with the micro-batch's largest
+    magnitude in front, and its new scale depends on the old state only: the
+    elementwise maximum over a group's micro-batches is the big batch's value
+    exactly, where a sum or a mean is not. (Keras's own
+    ``gradient_accumulation_steps`` keeps the maximum too.)
+    """
+    return bool(getattr(variable, "overwrite_with_gradient", False))
+
+
+def _by_replica(value):
+    """``value`` (float32) in this replica's row of zeros, one row per replica.
+
+    The sum over the replicas of these tensors holds every replica's value,
+    exactly (``x + 0 = x``), and its maximum over the first axis is the
+    maximum across replicas: TensorFlow's reductions have a sum and a mean but
+    no maximum, and so a maximum rides in the update's one batched sum. One
+    replica is the case of one row.
+    """
+    context = tf.distribute.get_replica_context()
+    value = ops.cast(ops.convert_to_tensor(value), "float32")
+    row = ops.cast(ops.convert_to_tensor(context.replica_id_in_sync_group), "int32")
+    shape = (context.num_replicas_in_sync, *value.shape)
+    return tf.scatter_nd(ops.reshape(row, (1, 1)), value[None], shape)
+
+
+def _maximum_of_rows(reduced):
+    """The maximum across replicas of a sum of :func:`_by_replica` tensors."""
+    return ops.max(reduced, axis=0)
+
+
+def _all_reduce_in_replica(grads, weights, maximum):
+    """Sums the dense gradients and the weights across replicas, in one batch.
+
+    ``maximum`` flags the gradients that take the maximum across replicas
+    instead (:func:`takes_maximum`), in the same batch (:func:`_by_replica`).
+    """
+    present = [(g, m) for g, m in zip(grads, maximum) if g is not None]
+    dense = [  # IndexedSlices densified
+        _by_replica(g) if m else tf.convert_to_tensor(g) for g, m in present
+    ]
     reduced = tf.distribute.get_replica_context().all_reduce(
         tf.distribute.ReduceOp.SUM, [*dense, *weights]
     )
     weights = reduced[len(dense) :]
-    reduced = iter(reduced[: len(dense)])
+    reduced = iter(
+        _maximum_of_rows(r) if m else r for r, (_, m) in zip(reduced[: len(dense)], present)
+    )
     return [None if g is None else next(reduced) for g in grads], weights
 
 
@@ -179,7 +224,9 @@ def sum_across_replicas_if(condition, values, fn):
 
 
 def _sum_in_replica(values, fn):
-    sums = [ops.convert_to_tensor(v) for v in values]
+    # Identities: inside a conditional, the batch must come from one graph,
+    # the branch's (variables are read there; tensors may come from outside).
+    sums = [tf.identity(v) for v in values]
     if sums:
         sums = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, sums)
     fn(*sums)
@@ -252,6 +299,12 @@ def _replica_local(value, shape, dtype, name, aggregation):
     )
 
 
+def _maximum_in_place(acc, grad, is_first):
+    """``acc`` becomes ``grad`` at a group's first micro-step, else ``max(acc, grad)``."""
+    grad = ops.cast(tf.convert_to_tensor(grad), "float32")  # IndexedSlices densified
+    return acc.assign(ops.where(is_first, grad, ops.maximum(acc, grad)), read_value=False)
+
+
 def _add_in_place(acc, grad):
     if isinstance(grad, tf.IndexedSlices):
         return _scatter_add_in_place(acc, grad)
@@ -300,6 +353,9 @@ def _mean(total, weight):
 def _group_means(plan, sums, weights, count):
     """Per variable, ``sum_c G_c / W_c`` over its classes; ``None`` where no sum is present.
 
+    A variable that takes its group's maximum (:func:`takes_maximum`) gets
+    ``max_c G_c``: its sums hold maxima, which are not divided.
+
     One variable after the other (each waits for the previous one's), so
     that one mean's temporary is alive at a time beside the optimizer's.
     Where the sums are this replica's accumulators themselves (one replica,
@@ -325,6 +381,10 @@ def _group_means(plan, sums, weights, count):
     previous = []
     for i, entries in terms.items():
         with tf.control_dependencies(previous):
+            if plan.takes_maximum[i]:
+                means[i] = functools.reduce(ops.maximum, [total for _, total, _ in entries])
+                previous = [means[i]]
+                continue
             mean = None
             for _, total, c in entries:
                 term = _mean(total, weights[c])
@@ -336,6 +396,19 @@ def _group_means(plan, sums, weights, count):
         means[i] = mean
         previous = [mean]
     return means
+
+
+def _sum_aggregation(variable):
+    """How a sum reads outside the replicas (saving): the total, or one replica's maximum.
+
+    A checkpoint holds one value per variable, and TensorFlow aggregates
+    replica-local variables by sum or mean only: a sum of maxima saved inside
+    a group under several replicas keeps the first replica's maximum (which
+    every replica takes on restoring).
+    """
+    if takes_maximum(variable):
+        return tf.VariableAggregation.ONLY_FIRST_REPLICA
+    return tf.VariableAggregation.SUM
 
 
 def _sum_name(variable):
@@ -352,20 +425,28 @@ class _UpdatePlan:
         weight_sums: Per class, its divisor's variable.
         statistics: The ``(value, apply_fn)`` pairs of :meth:`GradientAccumulator.apply_if`.
         reduced_every_micro_step: Whether the sums are already global.
+        takes_maximum: Per variable, whether its sums hold maxima
+            (:func:`takes_maximum`), which cross the replicas as a maximum.
     """
 
-    def __init__(self, slots, weight_sums, statistics, reduced_every_micro_step):
+    def __init__(self, slots, weight_sums, statistics, reduced_every_micro_step, takes_maximum):
         self.slots = slots
         self.weight_sums = weight_sums
         self.statistics = statistics
         self.reduced_every_micro_step = reduced_every_micro_step
+        self.takes_maximum = takes_maximum
 
     def values_to_reduce(self):
-        """What crosses the replicas at the update, in one batch."""
+        """What crosses the replicas at the update, in one batch (call in replica context).
+
+        A sum of maxima enters as :func:`_by_replica` rows, so that the one
+        batched sum carries every replica's maximum.
+        """
         statistics = [value for value, _ in self.statistics]
         if self.reduced_every_micro_step:
             return statistics
-        return [*(acc for _, _, acc in self.slots), *self.weight_sums, *statistics]
+        sums = [_by_replica(acc) if self.takes_maximum[i] else acc for i, _, acc in self.slots]
+        return [*sums, *self.weight_sums, *statistics]
 
     def split(self, reduced):
         """``reduced`` (the sums of :meth:`values_to_reduce`) as (sums, weights, statistics)."""
@@ -375,7 +456,11 @@ class _UpdatePlan:
             return sums, weights, list(reduced)
         count = len(self.slots) + len(self.weight_sums)
         reduced = list(reduced)
-        return reduced[: len(self.slots)], reduced[len(self.slots) : count], reduced[count:]
+        sums = [
+            _maximum_of_rows(total) if self.takes_maximum[i] else total
+            for (i, _, _), total in zip(self.slots, reduced[: len(self.slots)])
+        ]
+        return sums, reduced[len(self.slots) : count], reduced[count:]
 
 
 class GradientAccumulator(tf.Module):
@@ -402,6 +487,11 @@ class GradientAccumulator(tf.Module):
     variable. A loss that is a plain sum (``reduction="sum"``) adds
     ``w_i = 1`` every micro-step and ``1`` to the divisor once per group.
 
+    A variable marked ``overwrite_with_gradient`` (a float8 layer's scales
+    and amax histories; Keras's optimizers assign it its "gradient") receives
+    ``max_i(g_i)`` instead, elementwise, the maximum across replicas too: the
+    big batch's value (see :func:`takes_maximum`).
+
     A group ends after ``accum_steps`` micro-steps, or earlier when
     ``steps_to_boundary`` (set by the caller, e.g. to the micro-steps left in
     the epoch) reaches zero.
@@ -409,7 +499,8 @@ class GradientAccumulator(tf.Module):
     State (replica-local variables created at construction, float32 sums
     whatever the compute dtype):
 
-    - ``gradient_sums[j]``: ``sum_i(w_i * g_ij)`` for trainable variable ``j``.
+    - ``gradient_sums[j]``: ``sum_i(w_i * g_ij)`` for trainable variable ``j``;
+      ``max_i(g_ij)`` for one marked ``overwrite_with_gradient``.
     - ``weight_sum``: ``sum_i(w_i)``, the divisor of the mean.
     - ``group_reference``: ``C_1 * K``, set at the group's first micro-step.
     - ``micro_step``: micro-steps accumulated in the current group.
@@ -455,15 +546,15 @@ class GradientAccumulator(tf.Module):
         # Identities only: holding the variables would make tf.train.Checkpoint
         # save every model weight a second time under this object.
         self._variable_ids = tuple(id(v) for v in variables)
+        self._takes_maximum = tuple(takes_maximum(v) for v in variables)
 
-        sum_ = tf.VariableAggregation.SUM
         first = tf.VariableAggregation.ONLY_FIRST_REPLICA
         local = _replica_local
         with tf.name_scope(name):
             self.gradient_sums = [
-                local(0, v.shape, "float32", _sum_name(v), sum_) for v in variables
+                local(0, v.shape, "float32", _sum_name(v), _sum_aggregation(v)) for v in variables
             ]
-            self.weight_sum = local(0, (), "float32", "weight_sum", sum_)
+            self.weight_sum = local(0, (), "float32", "weight_sum", tf.VariableAggregation.SUM)
             self.group_reference = local(1, (), "float32", "group_reference", first)
             self.micro_step = local(0, (), "int64", "micro_step", first)
             self.steps_to_boundary = local(-1, (), "int64", "steps_to_boundary", first)
@@ -549,7 +640,8 @@ class GradientAccumulator(tf.Module):
                         entries.append((c, primary))
                         continue
                     name = _sum_name(variable).replace("_accumulator", f"_class_{c}_accumulator")
-                    acc = _replica_local(0, variable.shape, "float32", name, sum_)
+                    aggregation = _sum_aggregation(variable)
+                    acc = _replica_local(0, variable.shape, "float32", name, aggregation)
                     extra.append(acc)
                     entries.append((c, acc))
                 slots.append(entries)
@@ -811,11 +903,14 @@ class GradientAccumulator(tf.Module):
         # sum is the group's total weight whatever the number of replicas.
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         weights = [ops.cast(d, "float32") / replicas for d in divisors]
+        slots = self._slots()
+        maximum = [self._takes_maximum[i] for i, _, _ in slots]
         if self._reduce_every_micro_step:
-            slot_grads, weights = _all_reduce_in_replica(slot_grads, weights)
+            slot_grads, weights = _all_reduce_in_replica(slot_grads, weights, maximum)
+        is_first = ops.equal(self.micro_step, 0)
         adds = [
-            _add_in_place(acc, grad)
-            for (_, _, acc), grad in zip(self._slots(), slot_grads)
+            _maximum_in_place(acc, grad, is_first) if takes else _add_in_place(acc, grad)
+            for (_, _, acc), grad, takes in zip(slots, slot_grads, maximum)
             if grad is not None
         ]
         adds += [total.assign_add(weight) for total, weight in zip(self._weight_sums(), weights)]
@@ -853,6 +948,7 @@ class GradientAccumulator(tf.Module):
             self._weight_sums(),
             list(statistics),
             reduced_every_micro_step=self._reduce_every_micro_step,
+            takes_maximum=self._takes_maximum,
         )
         with gradients_already_reduced(optimizer):
             sum_across_replicas_if(
@@ -871,7 +967,11 @@ class GradientAccumulator(tf.Module):
             None if m is None else ops.cast(m, var.dtype) for var, m in zip(variables, means)
         ]
         if self._gradient_transform is not None:
-            mean_grads = self._gradient_transform(mean_grads, variables)
+            # Not applied to maxima, which are values to assign, not gradients.
+            maxima = self._takes_maximum
+            means_only = [None if m else g for g, m in zip(mean_grads, maxima)]
+            transformed = self._gradient_transform(means_only, variables)
+            mean_grads = [g if m else t for g, t, m in zip(mean_grads, transformed, maxima)]
         optimizer.apply(mean_grads, variables)
         self.update_count.assign_add(1)
         # The sums are emptied once the optimizer has written the variables

@@ -210,7 +210,9 @@ class GradientAccumulateModel(keras.Model):
         g = sum_i(N_i * g_i) / sum_i(N_i)
 
     the gradient of the loss of the concatenated group (a summed loss,
-    ``reduction="sum"``, gives ``sum_i(g_i)``). Hence
+    ``reduction="sum"``, gives ``sum_i(g_i)``; a variable marked
+    ``overwrite_with_gradient``, a float8 layer's scale or amax history, gets
+    the elementwise ``max_i(g_i)``, the big batch's value). Hence
     ``fit(x, y, batch_size=b)`` trains like plain Keras
     ``fit(x, y, batch_size=accum_steps * b)`` on the same data order: the
     optimizer (any Keras optimizer, its moments, weight decay, EMA, clipping

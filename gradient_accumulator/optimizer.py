@@ -309,7 +309,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     variables, float32 sums):
 
     - ``<variable>_accumulator`` per trainable variable: ``sum_i(g_i)`` of the
-      current group (dense, the variable's shape).
+      current group (dense, the variable's shape); for a variable marked
+      ``overwrite_with_gradient`` (a float8 layer's scales and amax
+      histories, which Keras's optimizers assign their "gradient"), the
+      elementwise ``max_i(g_i)``, handed to the inner optimizer as it is:
+      the big batch's value.
     - ``weight_sum``: micro-steps in the current group, as float32 (the
       divisor of the mean).
     - ``group_reference``: the engine's micro-batch weight reference, unused

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import unittest
+import warnings
 from pathlib import Path
 
 import keras
@@ -83,6 +84,76 @@ def build_classifier(cls=keras.Model, seed=0, **kwargs):
     )(inputs)
     outputs = keras.layers.Dense(3, activation="softmax")(hidden)
     return cls(inputs=inputs, outputs=outputs, **kwargs)
+
+
+def build_float8(cls=keras.Model, seed=0, use_bias=False, **kwargs):
+    """A 16-32-4 MLP quantized with ``model.quantize("float8")`` (before compiling).
+
+    Each Dense layer gets six variables marked ``overwrite_with_gradient``
+    (the scales and amax histories of its inputs, kernel and outputs'
+    gradient), which the optimizer assigns instead of updating. No biases
+    unless ``use_bias``: under a float32 policy Keras's float8 Dense casts its
+    bias through bfloat16, whose gradient is then rounded to 8 significant
+    bits per micro-batch where the big batch's is rounded once (see
+    :data:`FLOAT8_BIAS_RTOL`), and the activations that follow inherit it.
+    """
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((16,))
+    hidden = keras.layers.Dense(32, activation="relu", use_bias=use_bias)(inputs)
+    outputs = keras.layers.Dense(4, use_bias=use_bias)(hidden)
+    model = cls(inputs=inputs, outputs=outputs, **kwargs)
+    with warnings.catch_warnings():
+        # "Layer InputLayer does not have a `quantize` method implemented."
+        warnings.simplefilter("ignore", UserWarning)
+        model.quantize("float8")
+    return model
+
+
+def make_float8_data(num_samples=96, seed=0):
+    """Inputs of 16 features whose rows' magnitudes span 0.2 to 5, targets of 4.
+
+    Every micro-batch (and every replica's shard) has another largest
+    magnitude, so that a group's amax is one micro-batch's, not all of theirs.
+    """
+    rng = np.random.default_rng(seed)
+    magnitude = rng.uniform(0.2, 5.0, size=(num_samples, 1))
+    x = (rng.normal(size=(num_samples, 16)) * magnitude).astype("float32")
+    y = rng.normal(size=(num_samples, 4)).astype("float32")
+    return x, y
+
+
+# Float8 layers (`build_float8`) against the big batch. Scales and amax
+# histories are the big batch's: its amax is the maximum of its
+# micro-batches', and each micro-batch's outputs' gradient has the big batch's
+# magnitude (its loss is weighted by its share), up to float32 rounding of
+# the weights they come from: relative 1e-6. Kernels: float32 sums in another
+# order, passed through float8 quantisation, relative 1e-4. Biases (with
+# `use_bias=True`): Keras's float8 Dense casts the bias through bfloat16 under
+# a float32 policy, so each micro-batch's bias gradient is rounded to 8
+# significant bits (2^-8 = 3.9e-3 relative) where the big batch's is rounded
+# once: relative 1e-2 (observed <= 1.5e-3 after 3 updates), and one bfloat16
+# step of a bias moves the next layer's inputs amax by about 1e-5 relative.
+FLOAT8_STATE_RTOL = 1e-6
+FLOAT8_KERNEL_RTOL = 1e-4
+FLOAT8_BIAS_RTOL = 1e-2
+
+
+def float8_differences(reference, model):
+    """Max relative differences from ``reference``'s weights, by kind of variable.
+
+    Returns a dict ``{"state": ..., "kernel": ..., "bias": ...}``: the
+    ``overwrite_with_gradient`` variables (scales, amax histories), the
+    kernels and the biases, each ``max |a - b| / max |a|`` over its variables.
+    """
+    found = {"state": 0.0, "kernel": 0.0, "bias": 0.0}
+    for a, b in zip(reference.weights, model.weights):
+        kind = "state" if getattr(a, "overwrite_with_gradient", False) else a.name
+        if kind not in found:
+            continue
+        a, b = np.asarray(a), np.asarray(b)
+        diff = float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(a))), 1e-30))
+        found[kind] = max(found[kind], diff)
+    return found
 
 
 # The optimizers of the distributed feature tables (tests/scripts/mirrored_*.py),

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from tests.helpers import (
+    FLOAT8_KERNEL_RTOL,
+    FLOAT8_STATE_RTOL,
     FLOAT16_ATOL,
     FLOAT32_ATOL,
     KERAS_VERSION,
@@ -210,6 +212,31 @@ def test_sparse_gradients_cross_replicas_as_the_dense_table(counted):
     assert sparse["reductions"] == 1
     assert sparse["bytes"] == 4 * counted["params"]["build_embedding"] + 4
     assert_diff_below(sparse["diff"], FLOAT32_ATOL)
+
+
+@pytest.fixture(scope="module")
+def mirrored_float8():
+    return script_results(run_script_module("mirrored_float8"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("configuration", ["model", "model_every_micro_step", "optimizer"])
+def test_mirrored_float8_state_is_the_one_device_big_batch_s(mirrored_float8, configuration):
+    # tests/scripts/mirrored_float8.py: a float8 MLP, two replicas whose
+    # shards have different amax. The scales and amax histories take the
+    # maximum across replicas (a sum would double the replicas' amax), and
+    # it rides in the update's one batched reduction (3 updates, 3
+    # reductions; 12 when every micro-step reduces).
+    assert mirrored_float8["replicas"] == 2
+    if configuration == "optimizer" and KERAS_VERSION < (3, 8):
+        # As in tests/test_optimizer.py's mirrored `fit_` cases.
+        pytest.skip("Keras < 3.8: fit under a strategy sums the replicas' mean losses")
+    result = mirrored_float8["results"][configuration]
+    assert result["updates"] == mirrored_float8["reference_updates"] == 3, result
+    every_micro_step = configuration == "model_every_micro_step"
+    assert result["reductions"] == (12 if every_micro_step else 3), result
+    assert result["state"] < FLOAT8_STATE_RTOL, result
+    assert result["kernel"] < FLOAT8_KERNEL_RTOL, result
 
 
 # Two workers on loopback, one CPU replica each (tests/scripts/multi_worker.py).

@@ -1,10 +1,19 @@
-"""The accumulation engine: what a micro-step costs in the traced graph."""
+"""The accumulation engine: what a micro-step costs in the traced graph, and its update rules."""
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
+from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOptimizer
 from gradient_accumulator.engine import GradientAccumulator
+from tests.helpers import (
+    FLOAT8_KERNEL_RTOL,
+    FLOAT8_STATE_RTOL,
+    build_float8,
+    float8_differences,
+    make_float8_data,
+)
 
 
 def _captured(graph, variable):
@@ -270,3 +279,107 @@ def test_a_state_saved_without_the_classes_routing_loads_as_one_class():
     assert int(loaded.micro_step.numpy()) == 1
     for acc, value in zip(loaded.gradient_sums, values):
         np.testing.assert_array_equal(acc.numpy(), value)
+
+
+# ------------------------------------------------ overwrite_with_gradient --
+
+
+def _marked(value):
+    variable = keras.Variable(np.asarray(value, "float32"))
+    variable.overwrite_with_gradient = True
+    return variable
+
+
+def test_overwrite_with_gradient_variables_take_the_group_maximum():
+    # Keras assigns such a variable its "gradient" (a float8 layer's new scale
+    # or amax history): the group's is the elementwise maximum, over its
+    # micro-steps and over normaliser classes, never divided, never given to
+    # the gradient transform; the other variables get the mean. Reference:
+    # numpy's maximum (the values go below 0, where Keras's built-in, which
+    # starts its maximum at 0, would not give it).
+    marked, plain = _marked([0.0, 0.0, 0.0]), keras.Variable(np.zeros(3, "float32"))
+    variables = [marked, plain]
+    optimizer = keras.optimizers.SGD(1.0)
+    optimizer.build(variables)
+    accumulator = GradientAccumulator(
+        3, variables, gradient_transform=lambda grads, _: [g if g is None else 2 * g for g in grads]
+    )
+    accumulator.configure_classes([(0, 1), (0,)], variables)
+    steps = [
+        [[-3.0, 5.0, -2.0], [1.0, 2.0, 3.0]],
+        [[-1.0, 0.5, -4.0], [3.0, 2.0, 1.0]],
+        [[-2.0, 7.0, -3.0], [2.0, 2.0, 2.0]],
+    ]
+    second_class = np.array([-5.0, 6.0, -2.5], "float32")
+    for index, (mark, grad) in enumerate(steps):
+        ends = index == len(steps) - 1
+        class_grads = [[np.float32(mark), np.float32(grad)], [second_class, None]]
+        accumulator.step_classes(class_grads, [1.0, 1.0], ends, optimizer, variables)
+        if not ends:
+            np.testing.assert_array_equal(marked.numpy(), np.zeros(3))
+    maximum = np.max([*(np.float32(mark) for mark, _ in steps), second_class], axis=0)
+    np.testing.assert_array_equal(marked.numpy(), maximum)  # [-1, 7, -2]
+    mean = np.mean([grad for _, grad in steps], axis=0)
+    np.testing.assert_allclose(plain.numpy(), -2 * mean, rtol=1e-6)
+    # The next group starts its maximum anew, not from the last one's.
+    for index, mark in enumerate(([-9.0, -9.0, -9.0], [-8.0, -9.5, -7.0], [-9.0, -9.0, -9.0])):
+        class_grads = [[np.float32(mark), np.zeros(3, "float32")], [np.float32(mark), None]]
+        accumulator.step_classes(class_grads, [1.0, 1.0], index == 2, optimizer, variables)
+    np.testing.assert_array_equal(marked.numpy(), [-8.0, -9.0, -7.0])
+
+
+def test_the_maximum_matches_keras_gradient_accumulation():
+    # Keras's own `gradient_accumulation_steps` keeps the maximum of
+    # non-negative values (amax histories and scales are): the same group
+    # through the engine gives Keras's value.
+    # (A plain variable beside it: Keras 3.3 refuses to apply gradients to
+    # overwritten variables only.)
+    grads = [np.float32([0.5, 4.0]), np.float32([2.0, 1.0]), np.float32([1.5, 3.0])]
+    keras_variables = [_marked([9.0, 9.0]), keras.Variable(np.zeros(2, "float32"))]
+    builtin = keras.optimizers.SGD(1.0, gradient_accumulation_steps=3)
+    for grad in grads:
+        builtin.apply([grad, grad], keras_variables)
+    variables = [_marked([9.0, 9.0]), keras.Variable(np.zeros(2, "float32"))]
+    optimizer = keras.optimizers.SGD(1.0)
+    optimizer.build(variables)
+    accumulator = GradientAccumulator(3, variables)
+    for index, grad in enumerate(grads):
+        accumulator.step([grad, grad], 1.0, index == 2, optimizer, variables)
+    np.testing.assert_array_equal(variables[0].numpy(), keras_variables[0].numpy())
+    np.testing.assert_array_equal(variables[0].numpy(), [2.0, 4.0])
+    np.testing.assert_allclose(variables[1].numpy(), keras_variables[1].numpy(), rtol=1e-6)
+
+
+# The wrappers on a float8-quantized model (see tests.helpers.build_float8)
+# against plain Keras at the big batch (4 x 8), one epoch of 3 updates.
+FLOAT8_WRAPPERS = ["model", "optimizer"]
+
+
+def _float8_pair(wrapper):
+    x, y = make_float8_data()
+    reference = build_float8()
+    reference.compile(keras.optimizers.Adam(0.01), "mse")
+    reference.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    if wrapper == "model":
+        model = build_float8(GradientAccumulateModel, accum_steps=4)
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+    else:
+        model = build_float8()
+        optimizer = GradientAccumulateOptimizer(keras.optimizers.Adam(0.01), accum_steps=4)
+        model.compile(optimizer, "mse")
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    return reference, model
+
+
+@pytest.mark.parametrize("wrapper", FLOAT8_WRAPPERS)
+def test_float8_scales_and_amax_histories_are_the_big_batch_s(wrapper):
+    reference, model = _float8_pair(wrapper)
+    differences = float8_differences(reference, model)
+    assert int(model.optimizer.iterations.numpy()) == 3
+    marked = [w for w in reference.weights if getattr(w, "overwrite_with_gradient", False)]
+    assert len(marked) == 12  # 2 layers x (inputs, kernel, outputs' gradient) x (scale, history)
+    assert differences["state"] < FLOAT8_STATE_RTOL, differences
+    assert differences["kernel"] < FLOAT8_KERNEL_RTOL, differences
+    # The amax histories moved: 3 updates wrote 3 entries, not all the same.
+    history = np.asarray(reference.layers[1].inputs_amax_history)
+    assert np.count_nonzero(history) == 3 and len(set(history[history > 0])) == 3, history
