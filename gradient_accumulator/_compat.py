@@ -120,6 +120,66 @@ def loss_scale_optimizer_building(optimizer):
         del frame
 
 
+def loss_scale_optimizer_applying(outer):
+    """Whether ``outer`` (a ``LossScaleOptimizer``) is inside its own ``apply`` now.
+
+    Keras's ``LossScaleOptimizer.apply`` builds it (and so the optimizer it
+    wraps) at its first call, then goes on with its own unscaling: the
+    calling frames tell. ``tests/test_compat.py`` checks that it is found.
+    """
+    frame = inspect.currentframe()
+    try:
+        for _ in range(16):
+            frame = frame.f_back
+            if frame is None:
+                return False
+            if frame.f_code.co_name == "apply" and frame.f_locals.get("self") is outer:
+                return True
+        return False
+    finally:
+        del frame
+
+
+def stand_in_for_loss_scale_optimizer(outer, scale_loss, apply, inner_optimizer):
+    """Hands ``outer``'s loss scaling to a wrapper it wraps; returns the update's scaler.
+
+    ``model.compile`` wraps the optimizer it is given in a
+    ``LossScaleOptimizer`` under ``mixed_float16`` (unless it is one), and
+    ``fit`` then calls that ``LossScaleOptimizer``'s ``scale_loss`` and
+    ``apply`` at every step: no public route lets the optimizer inside weight
+    the loss or see the gradients before it unscales and checks them. So
+    ``outer`` (built) gets instance attributes that shadow its class's
+    ``scale_loss`` and ``apply`` with the given callables (as
+    :func:`gradient_accumulator.distribute.gradients_already_reduced` does for
+    Keras's all-reduce), and the returned ``LossScaleOptimizer`` of
+    ``inner_optimizer`` keeps its scale and counter in ``outer``'s variables,
+    so ``outer.dynamic_scale`` (what users and callbacks read, what ``outer``
+    saves) is the scale in use. ``tests/test_compat.py`` checks the
+    attributes read here.
+
+    Args:
+        outer: A built ``LossScaleOptimizer`` (it has ``step_counter`` and
+            ``dynamic_scale``).
+        scale_loss: Callable ``(loss) -> loss`` for ``outer.scale_loss``.
+        apply: Callable ``(grads, trainable_variables=None)`` for ``outer.apply``.
+        inner_optimizer: The optimizer the returned one updates.
+    """
+    vars(outer)["scale_loss"] = scale_loss
+    vars(outer)["apply"] = apply
+    scaler = keras.optimizers.LossScaleOptimizer(
+        inner_optimizer,
+        initial_scale=outer.initial_scale,
+        dynamic_growth_steps=outer.dynamic_growth_steps,
+        name=f"{outer.name}_of_{inner_optimizer.name}",
+    )
+    # `build` would make variables of its own; it makes nothing else that
+    # `apply` reads when the trainable variables are passed.
+    scaler.step_counter = outer.step_counter
+    scaler.dynamic_scale = outer.dynamic_scale
+    scaler.built = True
+    return scaler
+
+
 def keras_apply_mask(sample_weight, mask, dtype, reduction):
     """Keras's own merge of a mask into sample weights (``losses.loss.apply_mask``).
 

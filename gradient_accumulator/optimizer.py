@@ -10,10 +10,12 @@ from keras import ops
 
 from gradient_accumulator._compat import (
     check_optimizer_knows,
+    loss_scale_optimizer_applying,
     loss_scale_optimizer_building,
     optimizer_variable_index,
     optimizer_variables_in_build_order,
     set_optimizer_own_iterations,
+    stand_in_for_loss_scale_optimizer,
 )
 from gradient_accumulator.agc import adaptive_clip_gradients, check_agc_arguments
 from gradient_accumulator.engine import GradientAccumulator, without_state
@@ -287,12 +289,14 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     the group's mean once per update, so one non-finite micro-batch skips its
     whole group and the loss scale follows the big batch's. A second
     ``LossScaleOptimizer`` around it is refused. The other order,
-    ``LossScaleOptimizer(GradientAccumulateOptimizer(...))``, is what
-    ``model.compile()`` builds by itself from this wrapper under
-    ``mixed_float16``: that ``LossScaleOptimizer`` unscales and checks every
-    micro-step before this wrapper sees it, applies no share, and drops a
-    micro-step with non-finite gradients on its own (the group completes one
-    micro-step later); ``build`` warns about it.
+    ``LossScaleOptimizer(GradientAccumulateOptimizer(optimizer, ...))``, is
+    what ``model.compile()`` builds by itself from this wrapper under
+    ``mixed_float16``: when that ``LossScaleOptimizer`` builds this one, this
+    one takes its role, the same computation: its ``scale_loss`` and
+    ``apply`` call this wrapper's, and the update unscales and checks with
+    its scale variable. (Built in its first ``apply`` while running eagerly,
+    after it has scaled a loss itself, the wrapper warns and leaves it: build
+    first.)
 
     Everything else that shapes the update (``learning_rate`` and its
     schedule, ``weight_decay``, ``clipnorm``, ``global_clipnorm``,
@@ -329,8 +333,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     Args:
         optimizer: A ``keras.optimizers.Optimizer`` instance, or its name or
             config as accepted by ``keras.optimizers.get`` (e.g. ``"adam"``).
-            Must not accumulate itself (no ``gradient_accumulation_steps``)
-            and must not be a ``LossScaleOptimizer``. Defaults to ``"sgd"``.
+            Must not accumulate itself (no ``gradient_accumulation_steps``);
+            may be a ``LossScaleOptimizer`` (see "Mixed precision").
+            Defaults to ``"sgd"``.
         accum_steps: Integer >= 1, micro-steps per update; ``1`` disables
             accumulation (every call updates). Or a callable mapping the
             number of updates so far (int64 scalar tensor) to an integer
@@ -411,6 +416,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self.eps = eps
         self.reduce_every_micro_step = reduce_every_micro_step
         self._accumulator = None
+        self._apply_inner = None  # the update's optimizer (see `build`)
         self._recording_build = False
         self._scaled_before_build = False
 
@@ -425,7 +431,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 of :meth:`apply` may pass gradients for any subset of them.
         """
         var_list = list(var_list)
-        self._check_outer_loss_scale()
+        outer = self._outer_loss_scale()
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
         transform = self._clip_adaptively if self.use_agc else None
@@ -438,7 +444,13 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 reduce_every_micro_step=self.reduce_every_micro_step,
                 name="accumulator",
             )
-        self._apply_inner = _PresentGradients(self.inner_optimizer)
+        scaler = self.inner_optimizer
+        if outer is not None:
+            scaler = stand_in_for_loss_scale_optimizer(
+                outer, self.scale_loss, self.apply, self.inner_optimizer
+            )
+        # The optimizer of the update (and of `scale_loss` once built).
+        self._apply_inner = _PresentGradients(scaler)
         # The base class records the variables and their order; its `use_ema`
         # reads False meanwhile (the inner optimizer holds the averages).
         self._recording_build = True
@@ -733,7 +745,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             # then. It is the group's first, of equal weight: 1 / its micro-steps.
             self._scaled_before_build = True
             share = ops.cast(self._share_before_build(), loss.dtype)
-            return self.inner_optimizer.scale_loss(loss * share)
+            return self._scaler().scale_loss(loss * share)
         if accumulator is None:
             if normaliser is not None:
                 # A first micro-step weighted 1 and later ones by their share
@@ -746,7 +758,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 )
             # Keras < 3.5 traces `fit`'s step before building the optimizer:
             # that trace weighs every micro-step 1 (nothing pending).
-            return self.inner_optimizer.scale_loss(loss)
+            return self._scaler().scale_loss(loss)
         micro = accumulator.planned_micro_step()
         if normaliser is None:
             weight = accumulator.share(1.0, 1.0, micro)
@@ -764,7 +776,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 capacity = ops.maximum(ops.cast(normaliser, "float32"), 1.0)
             weight = accumulator.share(normaliser, capacity, micro)
         accumulator.set_pending_weight(weight)
-        return self.inner_optimizer.scale_loss(loss * ops.cast(weight, loss.dtype))
+        return self._scaler().scale_loss(loss * ops.cast(weight, loss.dtype))
 
     def finalize_variable_values(self, var_list):
         """Forwards to the inner optimizer (with ``use_ema``, copies the averages into the weights).
@@ -814,30 +826,48 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             )
         return cls(**config)
 
-    def _check_outer_loss_scale(self):
-        """Refuses a second loss scale; warns that an outer one applies no share.
+    def _outer_loss_scale(self):
+        """The ``LossScaleOptimizer`` wrapping this one whose role it takes, if any.
 
         Called from ``build``, which a ``LossScaleOptimizer`` wrapping this
-        one calls from its own ``build``.
+        one calls from its own ``build`` (``model.compile()`` wraps it under
+        'mixed_float16'). Refuses a second loss scale. Otherwise the wrapper
+        takes the outer one's role (see "Mixed precision" in the class
+        description): built by ``build`` (Keras's or the user's), or by the
+        outer one's first ``apply`` while tracing (``fit`` traces its step
+        again once it has created variables, and that trace runs). Built by
+        that ``apply`` eagerly (``run_eagerly=True``), the step has already
+        been scaled by the outer one's own ``scale_loss``: it warns and
+        leaves the outer one's role to it.
         """
         outer = loss_scale_optimizer_building(self)
         if outer is None:
-            return
+            return None
         if isinstance(self.inner_optimizer, keras.optimizers.LossScaleOptimizer):
             _refuse_double_loss_scale(
                 f"LossScaleOptimizer(GradientAccumulateOptimizer(LossScaleOptimizer("
                 f"{type(self.inner_optimizer.inner_optimizer).__name__})))"
             )
+        if not (tf.executing_eagerly() and loss_scale_optimizer_applying(outer)):
+            return outer
         warnings.warn(
             "A `LossScaleOptimizer` wraps this `GradientAccumulateOptimizer` "
-            "(`model.compile()` does so under 'mixed_float16'): it scales every "
-            "micro-batch's loss as a whole batch's, so a micro-batch may overflow "
-            "where the big batch would not (that micro-step is dropped and the "
-            "scale halved). For the big batch's loss scale, wrap the other way, "
-            "`GradientAccumulateOptimizer(LossScaleOptimizer(optimizer), ...)`, and "
-            "compile with `auto_scale_loss=False`.",
+            "(`model.compile()` does so under 'mixed_float16') and builds it in its "
+            "first `apply`, eagerly (`fit` with `run_eagerly=True`): that step has "
+            "already been scaled as a whole batch, so the wrapper cannot take the "
+            "loss scale's role, and every micro-batch's loss is scaled as a whole "
+            "batch's (a micro-batch may overflow where the big batch would not; that "
+            "micro-step is dropped and the scale halved). Build the optimizer before "
+            "`fit`, `model.optimizer.build(model.trainable_variables)`, for the big "
+            "batch's loss scale.",
             stacklevel=3,
         )
+        return None
+
+    def _scaler(self):
+        """What scales the loss: the update's optimizer once built, else the inner one."""
+        applied = self._apply_inner
+        return self.inner_optimizer if applied is None else applied.inner_optimizer
 
     def _share_before_build(self):
         """The weight of a group's first, equal micro-step: 1 / its planned micro-steps.

@@ -168,6 +168,46 @@ def test_a_loss_scale_optimizer_is_found_building_its_inner_optimizer():
     assert found == [outer, None]
 
 
+def test_loss_scale_optimizer_applying_is_found_from_its_first_apply():
+    # Keras's LossScaleOptimizer builds its inner optimizer from its first
+    # `apply`; built on its own, it is not applying.
+    found = []
+
+    class Probe(keras.optimizers.SGD):
+        def build(self, var_list):
+            found.append(_compat.loss_scale_optimizer_applying(outers[-1]))
+            super().build(var_list)
+
+    variables = [keras.Variable(np.zeros(2, "float32"))]
+    outers = [keras.optimizers.LossScaleOptimizer(Probe())]
+    outers[-1].apply([np.ones(2, "float32")], variables)
+    outers.append(keras.optimizers.LossScaleOptimizer(Probe()))
+    outers[-1].build(variables)
+    assert found == [True, False]
+
+
+def test_a_stand_in_takes_a_loss_scale_optimizer_s_scale_and_calls():
+    # The attributes read from a built LossScaleOptimizer, and the calls it
+    # hands over: its scale is the returned optimizer's.
+    variables = [keras.Variable(np.ones(2, "float32"))]
+    outer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=8.0)
+    outer.build(variables)
+    calls = []
+    inner = keras.optimizers.SGD(1.0)
+    inner.build(variables)
+    scaler = _compat.stand_in_for_loss_scale_optimizer(
+        outer, lambda loss: calls.append("scale_loss"), lambda *a: calls.append("apply"), inner
+    )
+    outer.scale_loss(1.0)
+    outer.apply_gradients([(np.ones(2, "float32"), variables[0])])
+    assert calls == ["scale_loss", "apply"]
+    assert float(scaler.scale_loss(1.0)) == 8.0
+    scaler.apply([np.full(2, np.inf, "float32")], variables)  # skipped: the scale halves
+    assert float(outer.dynamic_scale.numpy()) == 4.0
+    scaler.apply([np.full(2, 4.0, "float32")], variables)  # unscaled: 1
+    np.testing.assert_allclose(variables[0].numpy(), [0.0, 0.0])
+
+
 def test_loss_reductions_are_recorded_with_what_keras_combined():
     y_pred = keras.ops.ones((2, 3, 1))
     y_pred._keras_mask = keras.ops.convert_to_tensor([[True, True, False], [True, False, False]])

@@ -1,6 +1,7 @@
 """GradientAccumulateOptimizer: k micro-steps equal one inner step on the concatenated batch."""
 
 import doctest
+import warnings
 
 import keras
 import numpy as np
@@ -396,26 +397,6 @@ def test_compile_wraps_in_loss_scale_optimizer_under_mixed_float16(mixed_float16
     _assert_close(model.weights, reference.weights, atol=FLOAT16_ATOL)
 
 
-def test_loss_scale_optimizer_skips_non_finite_micro_step():
-    model, _ = _twin_models()
-    accumulate = GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=2)
-    optimizer = keras.optimizers.LossScaleOptimizer(accumulate, initial_scale=8.0)
-    variables = model.trainable_variables
-    optimizer.build(variables)
-    before = _values(model.weights)
-    bad = [np.full(v.shape, np.inf, "float32") for v in variables]
-    optimizer.apply(bad, variables)
-    assert int(accumulate._accumulator.micro_step.numpy()) == 0  # not accumulated
-    assert float(optimizer.dynamic_scale.numpy()) == 4.0
-    good = [np.ones(v.shape, "float32") * 4.0 for v in variables]  # scaled by 4
-    optimizer.apply(good, variables)
-    _assert_bit_identical(before, _values(model.weights))
-    optimizer.apply(good, variables)
-    # LossScaleOptimizer forwards `iterations` to its inner optimizer from Keras 3.9 on.
-    assert int(accumulate.iterations.numpy()) == 1
-    _assert_close(model.weights, [w - 0.1 for w in before])
-
-
 def test_static_loss_scale_of_inner_optimizer():
     model, reference = _twin_models()
     inner = keras.optimizers.SGD(0.1, loss_scale_factor=8.0)
@@ -455,17 +436,63 @@ def test_loss_scale_optimizer_inside_and_outside_is_refused(mixed_float16):
         model.fit(*_data(8), batch_size=4, verbose=0)
 
 
-def test_wrapped_in_a_loss_scale_optimizer_warns_that_no_share_applies(mixed_float16):
+def _loss_scaled(order, optimizer, accum_steps, initial_scale=2.0**15):
+    """``(to compile, the LossScaleOptimizer)`` for one order of the two wrappers.
+
+    ``inside``: ``GradientAccumulateOptimizer(LossScaleOptimizer(optimizer))``
+    (compile with ``auto_scale_loss=False``); ``outside``: the wrapper alone,
+    which ``compile`` wraps under mixed_float16 (here wrapped by hand).
+    """
+    if order == "inside":
+        loss_scale = keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=initial_scale)
+        return GradientAccumulateOptimizer(loss_scale, accum_steps=accum_steps), loss_scale
+    loss_scale = keras.optimizers.LossScaleOptimizer(
+        GradientAccumulateOptimizer(optimizer, accum_steps=accum_steps),
+        initial_scale=initial_scale,
+    )
+    return loss_scale, loss_scale
+
+
+LOSS_SCALE_ORDERS = ["inside", "outside"]
+
+
+def test_wrapped_by_a_loss_scale_optimizer_takes_its_role(mixed_float16):
+    # The LossScaleOptimizer that compile adds calls the wrapper for the
+    # loss (share, then its scale) and for the gradients; its scale is the one
+    # used. Built in its first apply while running eagerly, the step has been
+    # scaled already: a warning says to build first.
     model, _ = _twin_models()
     model.compile(
-        optimizer=GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=2), loss="mse"
+        optimizer=GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=4),
+        loss="mse",
+        run_eagerly=True,
     )
-    with pytest.warns(UserWarning, match=r"GradientAccumulateOptimizer\(LossScaleOptimizer"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         model.optimizer.build(model.trainable_variables)
+    loss = model.optimizer.scale_loss(tf.constant(1.0, "float16"))
+    assert float(loss) == 2.0**15 / 4  # the first micro-step's share, then the scale
+    model, _ = _twin_models()
+    model.compile(
+        optimizer=GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=4),
+        loss="mse",
+        run_eagerly=True,
+    )
+    with pytest.warns(
+        UserWarning,
+        match=r"builds it in its first `apply`, eagerly.*"
+        r"`model.optimizer.build\(model.trainable_variables\)`",
+    ):
+        model.fit(*_data(8), batch_size=4, verbose=0)
 
 
-def _loss_scale_runs(accum_steps):
-    """Plain Keras at batch 32 and GradientAccumulateOptimizer(LossScaleOptimizer(Adam)).
+def _loss_scale_runs(accum_steps, order="inside", run_eagerly=False):
+    """Plain Keras at batch 32 and at the micro-batch, and the wrapper in ``order``.
+
+    ``order`` as in :func:`_loss_scaled`: ``inside`` compiles
+    ``GradientAccumulateOptimizer(LossScaleOptimizer(Adam))`` with
+    ``auto_scale_loss=False``, ``outside`` compiles
+    ``GradientAccumulateOptimizer(Adam)`` and lets Keras wrap it.
 
     Issue 17's setup: an MLP 8-16-1, mse, 64 samples N(0, 1), 3 epochs,
     mixed_float16, Keras's default initial scale. Adam's epsilon is raised
@@ -488,24 +515,42 @@ def _loss_scale_runs(accum_steps):
     reference = build()
     reference.compile(optimizer=adam(), loss="mse")
     reference.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+    micro = build()
+    micro.compile(optimizer=adam(), loss="mse")
+    micro.fit(x, y, batch_size=32 // accum_steps, epochs=3, shuffle=False, verbose=0)
     model = build()
-    optimizer = GradientAccumulateOptimizer(
-        keras.optimizers.LossScaleOptimizer(adam()), accum_steps=accum_steps
-    )
-    model.compile(optimizer=optimizer, loss="mse", auto_scale_loss=False)
-    if KERAS_VERSION < (3, 5):
-        # Keras < 3.5 builds the optimizer inside the first traced step,
-        # after `scale_loss`, which then cannot weight the loss: build first.
-        optimizer.build(model.trainable_variables)
+    if order == "inside":
+        optimizer = GradientAccumulateOptimizer(
+            keras.optimizers.LossScaleOptimizer(adam()), accum_steps=accum_steps
+        )
+        model.compile(optimizer, "mse", auto_scale_loss=False, run_eagerly=run_eagerly)
+        loss_scale = optimizer.inner_optimizer
+    else:
+        optimizer = GradientAccumulateOptimizer(adam(), accum_steps=accum_steps)
+        model.compile(optimizer, "mse", run_eagerly=run_eagerly)
+        loss_scale = model.optimizer
+    if KERAS_VERSION < (3, 5) or run_eagerly:
+        # Built inside the first step otherwise (eagerly: after the first
+        # `scale_loss`, which then cannot weight the loss): build first.
+        model.optimizer.build(model.trainable_variables)
     model.fit(x, y, batch_size=32 // accum_steps, epochs=3, shuffle=False, verbose=0)
-    return reference, model, optimizer
+    return reference, micro, model, optimizer, loss_scale
 
 
+@pytest.mark.parametrize("order", LOSS_SCALE_ORDERS)
 @pytest.mark.parametrize("accum_steps", [2, 4, 16], ids=["k2", "k4", "k16"])
-def test_loss_scale_follows_the_big_batch_with_the_scale_inside(mixed_float16, accum_steps):
-    reference, model, optimizer = _loss_scale_runs(accum_steps)
-    scale = optimizer.inner_optimizer.dynamic_scale
+def test_loss_scale_follows_the_big_batch(mixed_float16, accum_steps, order):
+    # `outside` is what `compile(optimizer=GradientAccumulateOptimizer(Adam))`
+    # builds under mixed_float16 (it ended at 16384 for k=4 before the wrapper
+    # took the outer LossScaleOptimizer's role).
+    reference, micro, model, optimizer, loss_scale = _loss_scale_runs(accum_steps, order)
+    assert isinstance(loss_scale, keras.optimizers.LossScaleOptimizer)
+    scale = loss_scale.dynamic_scale
     assert float(scale.numpy()) == float(reference.optimizer.dynamic_scale.numpy()) == 32768.0
+    if accum_steps > 2:
+        # Plain Keras at the micro-batch overflows and halves its scale: a
+        # micro-batch not weighted by its share of the group would.
+        assert float(micro.optimizer.dynamic_scale.numpy()) < 32768.0
     assert int(optimizer.iterations.numpy()) == 6
     # LossScaleOptimizer forwards `iterations` to its inner optimizer from Keras 3.9 on.
     assert int(reference.optimizer.inner_optimizer.iterations.numpy()) == 6
@@ -513,10 +558,20 @@ def test_loss_scale_follows_the_big_batch_with_the_scale_inside(mixed_float16, a
     assert_diff_below(diff, FLOAT16_ATOL)
 
 
-def test_non_finite_micro_step_skips_its_group_with_the_scale_inside():
+def test_loss_scale_follows_the_big_batch_in_eager_fit_when_built_first(mixed_float16):
+    reference, _, model, optimizer, loss_scale = _loss_scale_runs(4, "outside", run_eagerly=True)
+    scale = loss_scale.dynamic_scale
+    assert float(scale.numpy()) == float(reference.optimizer.dynamic_scale.numpy()) == 32768.0
+    assert int(optimizer.iterations.numpy()) == 6
+    diff = _max_abs_diff(model.get_weights(), reference.get_weights())
+    assert_diff_below(diff, FLOAT16_ATOL)
+
+
+@pytest.mark.parametrize("order", LOSS_SCALE_ORDERS)
+def test_non_finite_micro_step_skips_its_group(order):
+    # Either order: the group's mean is checked once, as the big batch's.
     model, _ = _twin_models()
-    loss_scale = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8.0)
-    optimizer = GradientAccumulateOptimizer(loss_scale, accum_steps=2)
+    optimizer, loss_scale = _loss_scaled(order, keras.optimizers.SGD(0.1), 2, initial_scale=8.0)
     variables = model.trainable_variables
     optimizer.build(variables)
     before = _values(model.weights)
@@ -526,11 +581,12 @@ def test_non_finite_micro_step_skips_its_group_with_the_scale_inside():
     optimizer.apply(good, variables)  # the group's update: skipped, scale halved
     _assert_bit_identical(before, _values(model.weights))
     assert float(loss_scale.dynamic_scale.numpy()) == 4.0
-    assert int(optimizer.iterations.numpy()) == 0
+    # (The innermost optimizer's count: a LossScaleOptimizer's own stays 0 before Keras 3.9.)
+    assert int(loss_scale.inner_optimizer.iterations.numpy()) == 0
     half = [g / 2 for g in good]  # scaled by 4
     optimizer.apply(half, variables)
     optimizer.apply(half, variables)
-    assert int(optimizer.iterations.numpy()) == 1
+    assert int(loss_scale.inner_optimizer.iterations.numpy()) == 1
     _assert_close(model.weights, [w - 0.1 for w in before])
 
 
