@@ -94,6 +94,25 @@ def recorded_loss_reductions():
         _reductions.records = previous
 
 
+def _calling_self(matches, depth):
+    """The ``self`` of the nearest of ``depth`` frames above the caller's that ``matches``.
+
+    ``matches(frame, self_of_frame)`` decides; ``None`` if no frame does.
+    """
+    frame = inspect.currentframe().f_back
+    try:
+        for _ in range(depth):
+            frame = frame.f_back
+            if frame is None:
+                return None
+            caller = frame.f_locals.get("self")
+            if matches(frame, caller):
+                return caller
+        return None
+    finally:
+        del frame
+
+
 def loss_scale_optimizer_building(optimizer):
     """The ``LossScaleOptimizer`` whose ``build`` is building ``optimizer`` now, or ``None``.
 
@@ -103,21 +122,11 @@ def loss_scale_optimizer_building(optimizer):
     ``self.inner_optimizer.build(var_list)``: the calling frames hold it.
     ``tests/test_compat.py`` checks that it is found.
     """
-    frame = inspect.currentframe()
-    try:
-        for _ in range(8):
-            frame = frame.f_back
-            if frame is None:
-                return None
-            caller = frame.f_locals.get("self")
-            if (
-                isinstance(caller, keras.optimizers.LossScaleOptimizer)
-                and caller.inner_optimizer is optimizer
-            ):
-                return caller
-        return None
-    finally:
-        del frame
+    return _calling_self(
+        lambda frame, caller: isinstance(caller, keras.optimizers.LossScaleOptimizer)
+        and caller.inner_optimizer is optimizer,
+        depth=8,
+    )
 
 
 def loss_scale_optimizer_applying(outer):
@@ -127,17 +136,10 @@ def loss_scale_optimizer_applying(outer):
     wraps) at its first call, then goes on with its own unscaling: the
     calling frames tell. ``tests/test_compat.py`` checks that it is found.
     """
-    frame = inspect.currentframe()
-    try:
-        for _ in range(16):
-            frame = frame.f_back
-            if frame is None:
-                return False
-            if frame.f_code.co_name == "apply" and frame.f_locals.get("self") is outer:
-                return True
-        return False
-    finally:
-        del frame
+    found = _calling_self(
+        lambda frame, caller: frame.f_code.co_name == "apply" and caller is outer, depth=16
+    )
+    return found is not None
 
 
 def stand_in_for_loss_scale_optimizer(outer, scale_loss, apply, inner_optimizer):

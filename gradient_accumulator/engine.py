@@ -907,7 +907,8 @@ class GradientAccumulator(tf.Module):
         maximum = [self._takes_maximum[i] for i, _, _ in slots]
         if self._reduce_every_micro_step:
             slot_grads, weights = _all_reduce_in_replica(slot_grads, weights, maximum)
-        is_first = ops.equal(self.micro_step, 0)
+        # Read only where a sum keeps a maximum (float8 state).
+        is_first = ops.equal(self.micro_step, 0) if any(maximum) else None
         adds = [
             _maximum_in_place(acc, grad, is_first) if takes else _add_in_place(acc, grad)
             for (_, _, acc), grad, takes in zip(slots, slot_grads, maximum)
