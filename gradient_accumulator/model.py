@@ -411,10 +411,11 @@ class GradientAccumulateModel(keras.Model):
         return self._micro_step(_after(done, batches[-1]), last)
 
     def _micro_step(self, data, position=None, update=True):
-        """One micro-step; ``position``: ``(index, group length, ends group)`` if known.
+        """One micro-step; ``position``: ``(index, group length, ends group[, starts group])``.
 
-        The position's index and length may be tensors; whether the step
-        ends its group is a Python boolean (see ``micro_step_at``). With
+        The position (if known) as ``micro_step_at`` takes it: index and
+        length may be tensors; whether the step ends its group is a Python
+        boolean, whether it starts it too where given. With
         ``update=False`` the step only adds to the sums, even at the end of
         its group (its forward pass still sees that it ends the group): the
         caller then runs the update (``fit``'s XLA path,
@@ -469,6 +470,7 @@ class GradientAccumulateModel(keras.Model):
                 self.optimizer,
                 variables,
                 statistics,
+                micro.is_first,
             )
         compiled_metrics = getattr(self, "_compile_metrics", None)
         if keras_version() < (3, 5) and compiled_metrics is not None and not compiled_metrics.built:
@@ -727,10 +729,10 @@ class GradientAccumulateModel(keras.Model):
                 for size in sizes:
                     length = tf.constant(size, "int32")
                     if not jit:
-                        logs = self._group_function()(iterator, length)
+                        logs = self._group_function(size == 1)(iterator, length)
                         continue
                     for index in range(size):
-                        step = self._placed_step_function(index == size - 1)
+                        step = self._placed_step_function(index == size - 1, index == 0)
                         logs = step(next(iterator), tf.constant(index, "int32"), length)
                     self._placed_update_function()()
                 return logs
@@ -740,20 +742,23 @@ class GradientAccumulateModel(keras.Model):
             self._train_functions[count] = groups
         return self._train_functions[count]
 
-    def _group_function(self):
+    def _group_function(self, single=False):
         """A whole group in one function: ``(iterator, length) -> logs``, for every length.
 
-        The micro-steps but the last run in a ``tf.while_loop``, one after
-        the other: each fetches its batch once the previous one has added
-        its gradients (:meth:`_marked_micro_step`). Nothing else orders them
-        (the weights do not change inside a group), and TensorFlow would run
-        their forward passes side by side, holding several micro-batches'
-        activations. A loop, not the micro-steps unrolled: a micro-step is
-        traced twice whatever the length, and the graph stays one
-        micro-step's size (unrolled, it held hundreds of MiB more on
-        MobileNetV2; the figures are on the benchmarks page).
+        The first micro-step (it assigns its gradients to the sums, see
+        :func:`~gradient_accumulator.engine._write_sum`), then the others but
+        the last in a ``tf.while_loop``, then the last (it also updates), one
+        after the other: each fetches its batch once the previous one has
+        added its gradients (:meth:`_marked_micro_step`). Nothing else orders
+        them (the weights do not change inside a group), and TensorFlow would
+        run their forward passes side by side, holding several
+        micro-batches' activations. A loop, not the micro-steps unrolled: a
+        micro-step is traced three times whatever the length, and the graph
+        stays a few micro-steps' size (unrolled, it held hundreds of MiB more
+        on MobileNetV2; the figures are on the benchmarks page).
+        ``single``: the function of a group of one micro-step (length 1).
         """
-        key = "group"
+        key = ("group", single)
         if key not in self._train_functions:
             strategy = self.distribute_strategy
 
@@ -766,10 +771,14 @@ class GradientAccumulateModel(keras.Model):
                 return ops.sum(ops.stack(strategy.experimental_local_results(marker)))
 
             def group(iterator, length):
-                done = tf.zeros((), "int64")
-                for index in tf.range(length - 1):
-                    done = marked(after(done, iterator), (index, length, False))
-                last = (length - 1, length, True)
+                if single:
+                    only = (0, length, True, True)
+                    logs = strategy.run(self._micro_step, args=(next(iterator), only))
+                    return reduce_replica_logs(logs, strategy)
+                done = marked(next(iterator), (0, length, False, True))
+                for index in tf.range(1, length - 1):
+                    done = marked(after(done, iterator), (index, length, False, False))
+                last = (length - 1, length, True, False)
                 logs = strategy.run(self._micro_step, args=(after(done, iterator), last))
                 return reduce_replica_logs(logs, strategy)
 
@@ -789,21 +798,23 @@ class GradientAccumulateModel(keras.Model):
         self._micro_step(data, position)
         return self._accumulator.micro_step.read_value()
 
-    def _placed_step_function(self, ends_group):
+    def _placed_step_function(self, ends_group, starts_group):
         """The XLA-compiled micro-step ``(data, index, length) -> logs``; it only adds.
 
         ``ends_group`` is what its forward pass sees (statistics layers move
         their statistics at the group's last micro-step); without such layers
-        every micro-step of a group is the same computation, compiled once.
-        The update is :meth:`_placed_update_function`'s.
+        every micro-step of a group but the first is the same computation,
+        compiled once. ``starts_group``: the first assigns its gradients to
+        the sums (see :func:`~gradient_accumulator.engine._write_sum`). The
+        update is :meth:`_placed_update_function`'s.
         """
         ends_group = ends_group and bool(self._statistics_layers())
-        key = ("placed", ends_group)
+        key = ("placed", ends_group, starts_group)
         if key not in self._train_functions:
             strategy = self.distribute_strategy
 
             def placed_step(data, index, length):
-                position = (index, length, ends_group)
+                position = (index, length, ends_group, starts_group)
                 logs = strategy.run(
                     self._micro_step, args=(data, position), kwargs={"update": False}
                 )

@@ -490,7 +490,10 @@ def test_group_step_equals_big_batch_without_a_conditional(jit_compile):
 
 
 def _adds_before(op, sums):
-    """The names of the in-place adds into ``sums`` (captured handles' names) ``op`` waits for."""
+    """The names of the writes into ``sums`` (captured handles' names) ``op`` waits for.
+
+    A group's first micro-step assigns to the sums, the others add in place.
+    """
     found, seen, stack = set(), set(), [op]
     while stack:
         current = stack.pop()
@@ -498,7 +501,8 @@ def _adds_before(op, sums):
             if parent.name in seen:
                 continue
             seen.add(parent.name)
-            if parent.type == "AssignAddVariableOp" and parent.inputs[0].op.name in sums:
+            writes = ("AssignAddVariableOp", "AssignVariableOp")
+            if parent.type in writes and parent.inputs[0].op.name in sums:
                 found.add(parent.name)
             stack.append(parent)
     return found
@@ -523,7 +527,7 @@ def test_a_group_runs_its_micro_steps_one_after_the_other():
     model.fit(x, y, batch_size=MICRO_BATCH, epochs=1, shuffle=False, verbose=0)
     variables = len(model._accumulator.gradient_sums)
 
-    (group,) = model._train_functions["group"]._list_all_concrete_functions()
+    (group,) = model._train_functions[("group", False)]._list_all_concrete_functions()
     (loop,) = [op for op in group.graph.get_operations() if op.type in ("While", "StatelessWhile")]
     body = group.graph._functions[loop.get_attr("body").name].graph
     (fetch,) = [op for op in body.get_operations() if op.type == "IteratorGetNext"]
@@ -570,8 +574,11 @@ def test_fit_under_xla_compiles_the_update_apart_from_the_micro_steps():
         ]
 
     placed = [k for k in model._train_functions if isinstance(k, tuple) and k[0] == "placed"]
-    assert placed == [("placed", False)]  # one program for every place in every group
-    assert optimizer_captures(model._train_functions[placed[0]]) == [0]
+    # One program for every group's first micro-step (it assigns to the
+    # sums), one for every other place in every group.
+    assert placed == [("placed", False, True), ("placed", False, False)]
+    for key in placed:
+        assert optimizer_captures(model._train_functions[key]) == [0]
     (update,) = optimizer_captures(model._train_functions["placed_update"])
     assert update > 0
 
