@@ -383,8 +383,9 @@ def _group_means(plan, sums, weights, count):
     or sums reduced at every micro-step), each mean is written into its
     variable's first sum, which takes the new buffer and frees its own, and
     the optimizer reads it from there: the means then cost one variable's
-    buffer at a time, not the size of every gradient (the sums are emptied
-    after the update anyway). Elsewhere ``sums`` are the all-reduced tensors.
+    buffer at a time, not the size of every gradient (the next group's first
+    micro-step overwrites the sums anyway). Elsewhere ``sums`` are the
+    all-reduced tensors.
 
     Args:
         plan: The update's :class:`_UpdatePlan`.

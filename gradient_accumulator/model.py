@@ -199,7 +199,8 @@ class GradientAccumulateModel(keras.Model):
 
     Each micro-step computes the gradient of one micro-batch and adds it to
     float32 sums; every ``accum_steps``-th micro-step hands the mean of the
-    group to the compiled optimizer and empties the sums. ``fit`` runs a
+    group to the compiled optimizer (the next group's first micro-step
+    overwrites the sums). ``fit`` runs a
     whole group per compiled call (as :meth:`group_step` does) where the epoch's
     length is known, so its batch callbacks run once per update; each
     ``train_on_batch`` call is one micro-step (:meth:`train_step`). With micro-batch
@@ -828,7 +829,7 @@ class GradientAccumulateModel(keras.Model):
     def _placed_update_function(self):
         """The XLA-compiled update of a group whose micro-steps only added: ``() -> None``.
 
-        The group's mean gradient to the optimizer, then the sums emptied
+        The group's mean gradient to the optimizer, then the group ended
         (:meth:`GradientAccumulator.apply_if`). Its own computation, apart
         from the last micro-step's (see :meth:`_groups_function`). One
         replica only (``_check_jit_compile``): the statistics layers have
