@@ -6,7 +6,9 @@ the statistics of that micro-batch. ``replace_batchnorm_layers`` returns a
 copy of the network in which every BN layer is an ``AccumBatchNormalization``
 with the same weights and moving statistics (so the copy predicts exactly what
 the original does), whose moving statistics follow the accumulated batch and
-move once per update.
+move once per update. After training, ``restore_batchnorm_layers`` hands the
+trained network over as plain Keras (Keras's own BatchNormalization layers,
+no wrapper): its ``.keras`` file loads where this package is not installed.
 
 Hermetic: ``weights=None`` and synthetic images, no download. The BN layers
 are given non-trivial statistics to stand in for pretrained ones; with real
@@ -18,13 +20,15 @@ short run for CI).
 """
 
 import argparse
+import tempfile
+from pathlib import Path
 
 import _quiet_tensorflow  # noqa: F401  (before TensorFlow: hides its start-up log)
 import keras
 import numpy as np
 
 from gradient_accumulator import AccumBatchNormalization, GradientAccumulateModel
-from gradient_accumulator.utils import replace_batchnorm_layers
+from gradient_accumulator.utils import replace_batchnorm_layers, restore_batchnorm_layers
 
 MICRO_BATCH = 8
 ACCUM_STEPS = 4
@@ -119,6 +123,20 @@ def main():
     print(f"samples left pending in the BN layers after fit: {int(pending)}")
     loss, accuracy = model.evaluate(x_test, y_test, verbose=0)
     print(f"test loss: {loss:.4f}; test accuracy (moving statistics): {accuracy:.4f}")
+
+    # --- hand over -----------------------------------------------------------
+    plain = restore_batchnorm_layers(model)  # Keras's own layers, no wrapper
+    with tempfile.TemporaryDirectory() as folder:
+        plain.save(Path(folder) / "mobilenetv2.keras")  # loads without gradient_accumulator
+        loaded = keras.saving.load_model(Path(folder) / "mobilenetv2.keras")
+    # --- end of hand over ----------------------------------------------------
+    print(
+        f"\nHanded over as plain Keras: {type(plain).__name__}, "
+        f"{count(keras.layers.BatchNormalization, plain)} BatchNormalization, "
+        f"{count(AccumBatchNormalization, plain)} AccumBatchNormalization"
+    )
+    handed = np.max(np.abs(model.predict(x_test, verbose=0) - loaded.predict(x_test, verbose=0)))
+    print(f"max |inference output difference| of the reloaded plain model: {handed:.1e}")
 
 
 if __name__ == "__main__":

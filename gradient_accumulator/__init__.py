@@ -22,7 +22,10 @@ from gradient_accumulator.distribute import (  # noqa: E402
 from gradient_accumulator.layers import AccumBatchNormalization  # noqa: E402
 from gradient_accumulator.model import GradientAccumulateModel  # noqa: E402
 from gradient_accumulator.optimizer import GradientAccumulateOptimizer  # noqa: E402
-from gradient_accumulator.utils import replace_batchnorm_layers  # noqa: E402
+from gradient_accumulator.utils import (  # noqa: E402
+    replace_batchnorm_layers,
+    restore_batchnorm_layers,
+)
 
 __all__ = [
     "AccumBatchNormalization",
@@ -32,5 +35,6 @@ __all__ = [
     "adaptive_clip_gradients",
     "average_batchnorm_statistics",
     "replace_batchnorm_layers",
+    "restore_batchnorm_layers",
     "__version__",
 ]

@@ -4,10 +4,12 @@ import inspect
 import warnings
 
 import keras
+import numpy as np
 
 from gradient_accumulator._compat import Functional, sublayers
 from gradient_accumulator.layers import AccumBatchNormalization
 from gradient_accumulator.model import GradientAccumulateModel
+from gradient_accumulator.optimizer import GradientAccumulateOptimizer
 from gradient_accumulator.validation import check_accum_steps, check_bool
 
 _BATCH_NORM = keras.layers.BatchNormalization
@@ -36,11 +38,21 @@ def _is_input_layer(layer):
     return isinstance(layer, keras.layers.InputLayer)
 
 
-def _check_model(model):
+def _check_model(model, restore=False):
     if not isinstance(model, keras.Model):
         raise ValueError(
             "`model` must be a Keras Functional or Sequential model. "
             f"Received: model={model!r} of type {type(model).__name__}"
+        )
+    if not _is_graph_model(model) and restore:
+        raise ValueError(
+            "`model` must be a Functional or Sequential model: a subclassed "
+            "model's layers are connected only inside its `call()`, so they "
+            "cannot be rewritten from the outside. Instead, build the same "
+            "class with `keras.layers.BatchNormalization` where it has "
+            "`AccumBatchNormalization` and copy the weights (the first four of "
+            "each such layer's `get_weights()`). Received: "
+            f"model={model.name!r} of type {type(model).__name__}"
         )
     if not _is_graph_model(model):
         raise ValueError(
@@ -83,14 +95,17 @@ def _check_wrapper_accum_steps(model, accum_steps):
         )
 
 
-def _check_batchnorms_reachable(model):
+def _check_batchnorms_reachable(model, restore=False):
     """Refuses BatchNormalization layers that graph cloning cannot replace.
 
     Cloning rebuilds the layers of Functional and Sequential models (nested
     ones included) one by one; any other layer (a custom layer, a wrapper
     such as ``TimeDistributed``, a nested subclassed model) is rebuilt whole
     from its config, with whatever BatchNormalization it holds inside.
+    ``restore``: the layers to reach are ``AccumBatchNormalization`` only
+    (:func:`restore_batchnorm_layers`).
     """
+    kind = AccumBatchNormalization if restore else _BATCH_NORM
     hidden = {}
     stack = [model]
     while stack:
@@ -98,9 +113,19 @@ def _check_batchnorms_reachable(model):
             if _is_graph_model(layer):
                 stack.append(layer)
             elif not isinstance(layer, _BATCH_NORM):
-                inner = [sub.name for sub in _sublayers(layer) if isinstance(sub, _BATCH_NORM)]
+                inner = [sub.name for sub in _sublayers(layer) if isinstance(sub, kind)]
                 if inner:
                     hidden[f"{layer.name} ({type(layer).__name__})"] = inner
+    if hidden and restore:
+        raise ValueError(
+            "Some AccumBatchNormalization layers sit inside layers that are not "
+            "Functional or Sequential models, where graph cloning cannot "
+            "replace them. Create them as `keras.layers.BatchNormalization` in "
+            "those layers' code for the plain Keras model (same weights: copy "
+            "the first four of each layer's `get_weights()`), or rebuild those "
+            "parts as Functional models. Received: model="
+            f"{model.name!r} with AccumBatchNormalization inside {hidden}"
+        )
     if hidden:
         raise ValueError(
             "Some BatchNormalization layers sit inside layers that are not "
@@ -163,10 +188,13 @@ def _keras_batchnorm_weights(layer):
 class _Rewriter:
     """Clones a graph model, recording every (original, clone) pair of layers."""
 
-    def __init__(self, accum_steps, synchronized):
+    def __init__(self, accum_steps, synchronized, restore=False):
         self.accum_steps = accum_steps
         self.synchronized = synchronized
-        self.allowed = _accum_batchnorm_arguments()
+        # Restoring: AccumBatchNormalization back to Keras's layer (which
+        # takes the arguments of its own config only); other layers cloned.
+        self.restore = restore
+        self.allowed = set(_BATCH_NORM().get_config()) if restore else _accum_batchnorm_arguments()
         # id(original) -> (original, clone); the original is kept so that its
         # id cannot be reused. Shared layers and nested models shared between
         # several places are cloned once, at any depth.
@@ -189,7 +217,9 @@ class _Rewriter:
             return layer
         key = id(layer)
         if key not in self.pairs:
-            if isinstance(layer, _BATCH_NORM):
+            if self.restore and isinstance(layer, AccumBatchNormalization):
+                clone = self._keras_batchnorm(layer)
+            elif not self.restore and isinstance(layer, _BATCH_NORM):
                 clone = self._accum_batchnorm(layer)
             elif _is_graph_model(layer):
                 # Recursion by hand rather than `recursive=True`: the same
@@ -223,6 +253,11 @@ class _Rewriter:
         config.update(accum_steps=self.accum_steps, synchronized=self.synchronized)
         self.replaced.append(layer)
         return AccumBatchNormalization.from_config(config)
+
+    def _keras_batchnorm(self, layer):
+        config = {k: v for k, v in layer.get_config().items() if k in self.allowed}
+        self.replaced.append(layer)
+        return _BATCH_NORM.from_config(config)
 
     def copy_state(self, model, new_model):
         """Copies ``trainable`` flags and weights from every original to its clone."""
@@ -460,4 +495,134 @@ def replace_batchnorm_layers(
         # After the `trainable` flags: compiling sizes the gradient sums.
         new_model.compile_from_config(model.get_compile_config())
     rewriter.warn(model, new_model)
+    return new_model
+
+
+def _pending_group(model):
+    """What of a group in progress ``model`` holds, as words; empty if nothing."""
+    pending = []
+    accumulator = getattr(model, "_accumulator", None)
+    steps = 0 if accumulator is None else int(accumulator.micro_step.numpy())
+    if steps:
+        pending.append(f"the gradients of {steps} micro-step(s)")
+    layers = [
+        layer.name
+        for layer in _sublayers(model)
+        if isinstance(layer, AccumBatchNormalization)
+        and getattr(layer, "pending_count", None) is not None
+        and np.any(layer.pending_count.numpy() > 0)
+    ]
+    if layers:
+        shown = ", ".join(layers[:3]) + (", ..." if len(layers) > 3 else "")
+        pending.append(
+            f"pending statistics in {len(layers)} AccumBatchNormalization layer(s) ({shown})"
+        )
+    return " and ".join(pending)
+
+
+def _accumulating_optimizer(model):
+    """The ``GradientAccumulateOptimizer`` in ``model.optimizer``'s chain, or ``None``."""
+    optimizer = getattr(model, "optimizer", None)
+    while optimizer is not None:
+        if isinstance(optimizer, GradientAccumulateOptimizer):
+            return optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return None
+
+
+def _plain_compile_config(model):
+    """``model``'s compile configuration, a ``GradientAccumulateOptimizer`` unwrapped.
+
+    Compiling with it under a ``mixed_float16`` policy wraps the inner
+    optimizer in Keras's ``LossScaleOptimizer`` again.
+    """
+    config = model.get_compile_config()
+    wrapper = _accumulating_optimizer(model)
+    if wrapper is not None:
+        config = dict(config, optimizer=keras.optimizers.serialize(wrapper.inner_optimizer))
+    return config
+
+
+def restore_batchnorm_layers(model: keras.Model) -> keras.Model:
+    """Returns a copy of ``model`` that needs no ``gradient_accumulator``: plain Keras.
+
+    The reverse of :func:`replace_batchnorm_layers`, for handing a trained
+    model over: every ``AccumBatchNormalization`` (inside nested Functional
+    and Sequential models too) becomes ``keras.layers.BatchNormalization``
+    with the same configuration (``accum_steps`` dropped), weights and moving
+    statistics; a ``GradientAccumulateModel`` becomes a plain
+    ``keras.Model`` of the same layers (the wrapper dropped); every other
+    layer is cloned with its weights and ``trainable`` flag. In inference
+    the copy computes what ``model`` computes, and its ``.keras`` file and
+    ``model.export()`` load where this package is not installed.
+
+    A compiled ``model`` comes back compiled with the same configuration
+    (fresh optimizer state), a ``GradientAccumulateOptimizer`` replaced by
+    the optimizer it wraps. What a group in progress holds (gradient sums,
+    statistics not yet in the moving statistics) is not carried over: call
+    ``model.apply_accumulated_gradients()`` first to keep it (a warning says
+    so). ``model`` itself is not modified.
+
+    Args:
+        model: A Keras Functional or Sequential model, or a
+            ``GradientAccumulateModel`` (nested models included).
+            Subclassed models are refused.
+
+    Returns:
+        A new, built ``keras.Model`` (``keras.Sequential`` for a Sequential
+        model) with the same name, layers, weights and outputs, and no layer
+        of this package.
+
+    Raises:
+        ValueError: If ``model`` is not a Keras model, is a subclassed model,
+            or holds an ``AccumBatchNormalization`` inside a layer that is not
+            a Functional or Sequential model (where cloning cannot reach it).
+
+    Warns:
+        UserWarning: When ``model`` has no layer, model class or optimizer of
+            this package (the copy is then an equivalent copy),
+            and when a group is in progress (what it holds is dropped).
+
+    Example:
+
+    >>> import keras
+    >>> from gradient_accumulator import replace_batchnorm_layers, restore_batchnorm_layers
+    >>> model = keras.applications.MobileNetV2(
+    ...     input_shape=(32, 32, 3), weights=None, classes=10)
+    >>> converted = replace_batchnorm_layers(model, accum_steps=4)
+    >>> plain = restore_batchnorm_layers(converted)
+    >>> sorted({type(layer).__name__ for layer in plain.layers if "bn" in layer.name.lower()})
+    ['BatchNormalization']
+    >>> len(plain.weights) == len(model.weights)
+    True
+    """
+    _check_model(model, restore=True)
+    _check_batchnorms_reachable(model, restore=True)
+    pending = _pending_group(model)
+    rewriter = _Rewriter(accum_steps=1, synchronized=False, restore=True)
+    accumulating = isinstance(model, GradientAccumulateModel)
+    if accumulating:
+        # A plain functional view of the same graph (same layers) is cloned.
+        view = keras.Model(inputs=model.input, outputs=model.output, name=model.name)
+        new_model = rewriter.clone(view)
+    else:
+        new_model = rewriter.clone(model)
+    rewriter.copy_state(model, new_model)
+    if model.compiled:
+        new_model.compile_from_config(_plain_compile_config(model))
+    if not (rewriter.replaced or accumulating or _accumulating_optimizer(model)):
+        warnings.warn(
+            f"Model {model.name!r} has no AccumBatchNormalization layer, is not a "
+            "GradientAccumulateModel and has no GradientAccumulateOptimizer: "
+            "`restore_batchnorm_layers` returns an equivalent copy with the same "
+            "layers and weights.",
+            stacklevel=2,
+        )
+    if pending:
+        warnings.warn(
+            f"Model {model.name!r} has an accumulation group in progress: {pending}, "
+            "not in its weights, are not carried over to the plain Keras copy. Call "
+            "`model.apply_accumulated_gradients()` before this to apply them.",
+            stacklevel=2,
+        )
     return new_model

@@ -222,3 +222,9 @@ def test_mobilenetv2_bn_swap():
     assert "Micro-steps run: 32; optimizer updates: 8" in out
     assert "samples left pending in the BN layers after fit: 0" in out
     assert 0.0 <= value(r"test accuracy \(moving statistics\): (\S+)", out) <= 1.0
+    # Handed over as plain Keras, saved and reloaded: the trained model's outputs.
+    assert (
+        "Handed over as plain Keras: Functional, 52 BatchNormalization, "
+        "0 AccumBatchNormalization"
+    ) in out
+    assert value(r"of the reloaded plain model: (\S+)", out) <= 1e-6

@@ -1,16 +1,23 @@
-"""replace_batchnorm_layers: same outputs and weights, every BatchNormalization replaced."""
+"""replace_batchnorm_layers: same outputs and weights, every BatchNormalization replaced;
+restore_batchnorm_layers: back to plain Keras, the same model without the package."""
 
+import contextlib
 import inspect
+import io
 import warnings
 
 import keras
 import numpy as np
 import pytest
 
-from gradient_accumulator import GradientAccumulateModel
+from gradient_accumulator import (
+    GradientAccumulateModel,
+    GradientAccumulateOptimizer,
+    restore_batchnorm_layers,
+)
 from gradient_accumulator.layers import AccumBatchNormalization
 from gradient_accumulator.utils import replace_batchnorm_layers
-from tests.helpers import assert_close
+from tests.helpers import assert_close, run_script_module, script_results
 
 BN = keras.layers.BatchNormalization
 
@@ -144,6 +151,32 @@ def _convert_quietly(model, **kwargs):
         return replace_batchnorm_layers(model, **kwargs)
 
 
+def _restore_quietly(model):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a model with the package's parts: no warning
+        return restore_batchnorm_layers(model)
+
+
+def _assert_restored(original, restored):
+    """``restored`` (back from a conversion of ``original``) is ``original`` again, plain Keras.
+
+    Same layer classes and names at every depth, every BatchNormalization
+    exactly Keras's, the same configurations and weights (the accumulation
+    state gone), fresh objects.
+    """
+    assert not [x for x in _all_layers(restored) if isinstance(x, AccumBatchNormalization)]
+    assert all(type(layer) is BN for layer in _batchnorms(restored))
+    assert [(type(layer), layer.name) for layer in _all_layers(restored)] == [
+        (type(layer), layer.name) for layer in _all_layers(original)
+    ]
+    for old, layer in zip(_batchnorms(original), _batchnorms(restored)):
+        assert layer.get_config() == old.get_config()
+    assert len(restored.weights) == len(_keras_weights(original))
+    for got, old in zip(restored.get_weights(), _keras_weights(original)):
+        np.testing.assert_array_equal(got, old)
+    assert not {id(v) for v in restored.weights} & {id(v) for v in original.weights}
+
+
 class _MovingStatsRecorder(keras.callbacks.Callback):
     """Records one layer's moving mean after every train call of fit (one per update)."""
 
@@ -190,6 +223,13 @@ def test_application_models_keep_outputs_and_weights(name, batchnorms):
     assert new.name == model.name and new.output_names == model.output_names
     assert _input_names(new) == _input_names(model)
     _assert_unchanged(model, snapshot)
+    # And back: restore_batchnorm_layers gives the original model again.
+    new_snapshot = _snapshot(new)
+    back = _restore_quietly(new)
+    _assert_restored(model, back)
+    _assert_same_outputs(model, back, x)
+    assert back.name == model.name and back.output_names == model.output_names
+    _assert_unchanged(new, new_snapshot)
 
 
 def test_docs_example_mobilenetv2_trains_with_gradient_accumulate_model():
@@ -317,6 +357,15 @@ def test_structures_keep_outputs_weights_and_io(build):
     assert getattr(new, "output_names", None) == getattr(model, "output_names", None)
     assert len(new.layers) == len(model.layers)  # shared layers cloned once
     _assert_unchanged(model, snapshot)
+    # And back to plain Keras, structure and sharing included.
+    back = _restore_quietly(new)
+    assert type(back) is type(model)
+    _assert_restored(model, back)
+    _assert_same_outputs(model, back, x)
+    assert back.name == model.name
+    assert _input_names(back) == _input_names(model)
+    assert _output_structure(back) == _output_structure(model)
+    assert len(back.layers) == len(model.layers)
 
 
 def test_nested_models_keep_sharing_and_training_behaviour():
@@ -439,6 +488,10 @@ def test_configuration_is_kept(mixed_float16):
     assert isinstance(custom.gamma_constraint, keras.constraints.NonNeg)
     assert len(new.losses) == len(model.losses) > 0  # the regularizers
     np.testing.assert_allclose([float(v) for v in new.losses], [float(v) for v in model.losses])
+    back = _restore_quietly(new)
+    _assert_restored(model, back)  # configurations, dtype policies and flags included
+    assert back.get_layer("custom_bn").dtype_policy.name == "mixed_float16"
+    assert not back.get_layer("frozen_bn").trainable
 
 
 @pytest.mark.parametrize("synchronized", [False, True])
@@ -789,3 +842,161 @@ def test_invalid_synchronized_is_refused(synchronized):
         match=rf"`synchronized` must be a boolean\. Received: synchronized={synchronized!r}",
     ):
         replace_batchnorm_layers(model, accum_steps=2, synchronized=synchronized)
+
+
+# --------------------------------------------------------------------------
+# restore_batchnorm_layers: a trained model handed over as plain Keras
+# --------------------------------------------------------------------------
+
+
+def _trained_wrapper():
+    """A converted MobileNetV2 trained for two updates by a GradientAccumulateModel."""
+    keras.utils.set_random_seed(0)
+    model = keras.applications.MobileNetV2(
+        input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=4, classifier_activation=None
+    )
+    converted = _convert_quietly(model, accum_steps=2)
+    wrapped = GradientAccumulateModel(
+        accum_steps=2, inputs=converted.input, outputs=converted.output, name="trained"
+    )
+    wrapped.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
+    rng = np.random.default_rng(0)
+    x = rng.normal(1.0, 2.0, size=(8, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 4, size=8)
+    wrapped.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0)
+    return model, wrapped, x
+
+
+@pytest.fixture(scope="module")
+def trained():
+    model, wrapped, x = _trained_wrapper()
+    return model, wrapped, _restore_quietly(wrapped), x
+
+
+def test_a_trained_model_comes_back_as_plain_keras_with_its_trained_state(trained):
+    initial, wrapped, plain, x = trained
+    assert int(wrapped.optimizer.iterations.numpy()) == 2
+    # Training moved the moving statistics away from the initial model's.
+    trained_mean = _batchnorms(wrapped)[0].moving_mean.numpy()
+    assert not np.array_equal(trained_mean, _batchnorms(initial)[0].moving_mean.numpy())
+    assert type(plain) is type(initial)  # Functional, the wrapper dropped
+    assert plain.name == wrapped.name
+    assert all(type(layer) is BN for layer in _batchnorms(plain))
+    assert len(_batchnorms(plain)) == 52
+    assert len(plain.weights) == len(_keras_weights(wrapped))
+    for got, expected in zip(plain.get_weights(), _keras_weights(wrapped)):
+        np.testing.assert_array_equal(got, expected)
+    _assert_same_outputs(wrapped, plain, x)
+    # Compiled as the wrapper was, with a fresh optimizer.
+    assert plain.compiled and type(plain.optimizer) is keras.optimizers.Adam
+    assert plain.get_compile_config()["loss"] == wrapped.get_compile_config()["loss"]
+
+
+@pytest.mark.slow
+def test_a_restored_model_loads_and_serves_where_the_package_is_not_installed(trained, tmp_path):
+    _, _, plain, x = trained
+    plain.save(tmp_path / "plain.keras")
+    with contextlib.redirect_stdout(io.StringIO()):  # Keras < 3.6 has no `verbose`
+        plain.export(str(tmp_path / "exported"))
+    np.save(tmp_path / "inputs.npy", x)
+    np.save(tmp_path / "expected.npy", np.asarray(plain.predict(x, verbose=0)))
+    results = script_results(
+        run_script_module(
+            "without_library",
+            [tmp_path / "plain.keras", tmp_path / "exported", tmp_path / "inputs.npy"],
+        )
+    )
+    assert results["blocked"], "gradient_accumulator was importable in the fresh process"
+    assert results["imported"] == []
+    assert results["batchnorm_classes"] == ["BatchNormalization"]
+    assert "gradient_accumulator" not in results["modules"]
+    # The same computation on the same weights: exact on this CPU, allowed
+    # float32 rounding of the logits' size (below 10 here).
+    assert results["loaded_max_abs_diff"] <= 1e-5
+    assert results["served_max_abs_diff"] <= 1e-5
+
+
+def _small_wrapper(accum_steps=2):
+    keras.utils.set_random_seed(0)
+    model, x = _nested_model(share_across_depths=False)
+    converted = _convert_quietly(model, accum_steps=accum_steps)
+    wrapped = GradientAccumulateModel(
+        accum_steps=accum_steps, inputs=converted.input, outputs=converted.output
+    )
+    wrapped.compile("sgd", "mse")
+    return wrapped, x, np.zeros((len(x), 2), "float32")
+
+
+def test_a_group_in_progress_warns_and_applying_it_first_keeps_it():
+    wrapped, x, y = _small_wrapper()
+    wrapped.fit(x, y, batch_size=len(x), epochs=0, verbose=0)  # Keras < 3.5 builds in fit
+    wrapped.train_on_batch(x, y)  # one micro-step of two
+    with pytest.warns(
+        UserWarning,
+        match=r"group in progress: the gradients of 1 micro-step\(s\) and pending statistics "
+        r"in 2 AccumBatchNormalization layer\(s\) \(backbone_bn, head_bn\), not in its "
+        r"weights, are not carried over.*apply_accumulated_gradients",
+    ):
+        restore_batchnorm_layers(wrapped)
+    wrapped.apply_accumulated_gradients()
+    back = _restore_quietly(wrapped)
+    for got, expected in zip(back.get_weights(), _keras_weights(wrapped)):
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_the_optimizer_wrapper_is_unwrapped_from_the_compile_configuration():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="d")], name="seq")
+    model.compile(GradientAccumulateOptimizer(keras.optimizers.Adam(0.01), accum_steps=2), "mse")
+    model.fit(np.ones((4, 3)), np.ones((4, 2)), batch_size=2, verbose=0)
+    back = _restore_quietly(model)  # the optimizer is the package's part: no warning
+    assert type(back) is keras.Sequential
+    assert type(back.optimizer) is keras.optimizers.Adam
+    assert back.optimizer.get_config()["learning_rate"] == pytest.approx(0.01)
+    for got, expected in zip(back.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_a_model_without_the_package_s_parts_comes_back_equivalent_with_a_warning():
+    model = _model_with_block()  # a Keras BatchNormalization hidden in a layer: nothing to do
+    with pytest.warns(UserWarning, match="equivalent copy with the same layers and weights"):
+        back = restore_batchnorm_layers(model)
+    x = np.random.default_rng(0).normal(size=(2, 3)).astype("float32")
+    _assert_same_outputs(model, back, x)
+
+
+class _AccumBlock(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.bn = AccumBatchNormalization(accum_steps=2, name="hidden_accum_bn")
+
+    def call(self, x):
+        return self.bn(x)
+
+
+class _AccumSubclassed(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.bn = AccumBatchNormalization(accum_steps=2)
+
+    def call(self, x):
+        return self.bn(x)
+
+
+def test_restoring_what_cloning_cannot_reach_is_refused_with_what_to_do():
+    inputs = keras.Input((3,))
+    hidden = keras.Model(inputs, _AccumBlock(name="block")(inputs), name="with_block")
+    with pytest.raises(
+        ValueError,
+        match=r"Some AccumBatchNormalization layers sit inside.*keras.layers.BatchNormalization"
+        r".*Received: model='with_block' with AccumBatchNormalization inside "
+        r"\{'block \(_AccumBlock\)': \['hidden_accum_bn'\]\}",
+    ):
+        restore_batchnorm_layers(hidden)
+    with pytest.raises(
+        ValueError,
+        match=r"a subclassed model.*build the same class with `keras.layers.BatchNormalization`"
+        r".*Received: model='sub' of type _AccumSubclassed",
+    ):
+        restore_batchnorm_layers(_AccumSubclassed(name="sub"))
+    with pytest.raises(ValueError, match=r"Received: model=None of type NoneType"):
+        restore_batchnorm_layers(None)
