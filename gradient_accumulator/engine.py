@@ -103,6 +103,23 @@ def update_step_scope(is_update_step):
         stack.pop()
 
 
+@contextlib.contextmanager
+def first_writes_as_select():
+    """Inside, a write whose group's first micro-step is a tensor is a select.
+
+    ``s <- where(is_first, g, s + g)``: entered by the model around its
+    XLA-compiled micro-step (one program for every place in a group), where
+    XLA fuses the select into the add (one pass, in place); there a
+    conditional per sum would copy every sum its untaken branch may write.
+    """
+    previous = getattr(_context, "select", False)
+    _context.select = True
+    try:
+        yield
+    finally:
+        _context.select = previous
+
+
 def current_update_step():
     """Boolean tensor: does the micro-step being traced end its group?
 
@@ -318,11 +335,15 @@ def _write_sum(acc, grad, is_first):
     emptying the sums after an update costs nothing (it would cost passes
     over every sum). ``is_first`` is a Python boolean where the micro-step's
     place is known when traced (the model's group function): then nothing
-    is decided at run time. Elsewhere a scalar tensor, one conditional per
-    sum (each waits for its own gradient only, as the add does).
+    is decided at run time. Elsewhere a scalar tensor: one conditional per
+    sum (each waits for its own gradient only, as the add does), or under
+    :func:`first_writes_as_select` a select.
     """
     if isinstance(is_first, bool):
         return _assign(acc, grad) if is_first else _add_in_place(acc, grad)
+    if getattr(_context, "select", False):
+        grad = ops.cast(tf.convert_to_tensor(grad), "float32")
+        return acc.assign(ops.where(is_first, grad, acc + grad), read_value=False)
 
     def first():
         with tf.control_dependencies([_assign(acc, grad)]):

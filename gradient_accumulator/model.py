@@ -20,7 +20,12 @@ from gradient_accumulator._compat import (
 )
 from gradient_accumulator.agc import adaptive_clip_gradients, check_agc_arguments
 from gradient_accumulator.distribute import AverageBatchNormStatistics, logs_for_keras
-from gradient_accumulator.engine import GradientAccumulator, StateEntry, update_step_scope
+from gradient_accumulator.engine import (
+    GradientAccumulator,
+    StateEntry,
+    first_writes_as_select,
+    update_step_scope,
+)
 from gradient_accumulator.optimizer import check_optimizer_does_not_accumulate
 from gradient_accumulator.validation import (
     check_accum_steps,
@@ -733,7 +738,7 @@ class GradientAccumulateModel(keras.Model):
                         logs = self._group_function(size == 1)(iterator, length)
                         continue
                     for index in range(size):
-                        step = self._placed_step_function(index == size - 1, index == 0)
+                        step = self._placed_step_function(index == size - 1)
                         logs = step(next(iterator), tf.constant(index, "int32"), length)
                     self._placed_update_function()()
                 return logs
@@ -746,18 +751,21 @@ class GradientAccumulateModel(keras.Model):
     def _group_function(self, single=False):
         """A whole group in one function: ``(iterator, length) -> logs``, for every length.
 
-        The first micro-step (it assigns its gradients to the sums, see
-        :func:`~gradient_accumulator.engine._write_sum`), then the others but
-        the last in a ``tf.while_loop``, then the last (it also updates), one
-        after the other: each fetches its batch once the previous one has
-        added its gradients (:meth:`_marked_micro_step`). Nothing else orders
-        them (the weights do not change inside a group), and TensorFlow would
-        run their forward passes side by side, holding several
-        micro-batches' activations. A loop, not the micro-steps unrolled: a
-        micro-step is traced three times whatever the length, and the graph
-        stays a few micro-steps' size (unrolled, it held hundreds of MiB more
-        on MobileNetV2; the figures are on the benchmarks page).
-        ``single``: the function of a group of one micro-step (length 1).
+        The micro-steps but the last run in a ``tf.while_loop``, one after
+        the other: each fetches its batch once the previous one has added
+        its gradients (:meth:`_marked_micro_step`). Nothing else orders them
+        (the weights do not change inside a group), and TensorFlow would run
+        their forward passes side by side, holding several micro-batches'
+        activations. A loop, not the micro-steps unrolled: a micro-step is
+        traced twice whatever the length, and the graph stays one
+        micro-step's size (unrolled, it held hundreds of MiB more on
+        MobileNetV2; the figures are on the benchmarks page). The loop's
+        first micro-step assigns its gradients to the sums, the others add
+        (a conditional per sum, see
+        :func:`~gradient_accumulator.engine._write_sum`): the first
+        micro-step traced apart, a third copy of the network's graph, held
+        +233 MiB of RSS on MobileNetV2. ``single``: the function of a group
+        of one micro-step (length 1).
         """
         key = ("group", single)
         if key not in self._train_functions:
@@ -776,9 +784,9 @@ class GradientAccumulateModel(keras.Model):
                     only = (0, length, True, True)
                     logs = strategy.run(self._micro_step, args=(next(iterator), only))
                     return reduce_replica_logs(logs, strategy)
-                done = marked(next(iterator), (0, length, False, True))
-                for index in tf.range(1, length - 1):
-                    done = marked(after(done, iterator), (index, length, False, False))
+                done = tf.zeros((), "int64")
+                for index in tf.range(length - 1):
+                    done = marked(after(done, iterator), (index, length, False))
                 last = (length - 1, length, True, False)
                 logs = strategy.run(self._micro_step, args=(after(done, iterator), last))
                 return reduce_replica_logs(logs, strategy)
@@ -799,26 +807,27 @@ class GradientAccumulateModel(keras.Model):
         self._micro_step(data, position)
         return self._accumulator.micro_step.read_value()
 
-    def _placed_step_function(self, ends_group, starts_group):
+    def _placed_step_function(self, ends_group):
         """The XLA-compiled micro-step ``(data, index, length) -> logs``; it only adds.
 
         ``ends_group`` is what its forward pass sees (statistics layers move
         their statistics at the group's last micro-step); without such layers
-        every micro-step of a group but the first is the same computation,
-        compiled once. ``starts_group``: the first assigns its gradients to
-        the sums (see :func:`~gradient_accumulator.engine._write_sum`). The
+        every micro-step of a group is the same computation, compiled once
+        (the first one's writes are selects, see
+        :func:`~gradient_accumulator.engine.first_writes_as_select`). The
         update is :meth:`_placed_update_function`'s.
         """
         ends_group = ends_group and bool(self._statistics_layers())
-        key = ("placed", ends_group, starts_group)
+        key = ("placed", ends_group)
         if key not in self._train_functions:
             strategy = self.distribute_strategy
 
             def placed_step(data, index, length):
-                position = (index, length, ends_group, starts_group)
-                logs = strategy.run(
-                    self._micro_step, args=(data, position), kwargs={"update": False}
-                )
+                position = (index, length, ends_group)
+                with first_writes_as_select():
+                    logs = strategy.run(
+                        self._micro_step, args=(data, position), kwargs={"update": False}
+                    )
                 return reduce_replica_logs(logs, strategy)
 
             self._train_functions[key] = tf.function(

@@ -492,7 +492,9 @@ def test_group_step_equals_big_batch_without_a_conditional(jit_compile):
 def _adds_before(op, sums):
     """The names of the writes into ``sums`` (captured handles' names) ``op`` waits for.
 
-    A group's first micro-step assigns to the sums, the others add in place.
+    A group's first micro-step assigns to the sums, the others add in place;
+    where the place is a tensor (fit's loop), a conditional per sum does one
+    or the other.
     """
     found, seen, stack = set(), set(), [op]
     while stack:
@@ -502,7 +504,10 @@ def _adds_before(op, sums):
                 continue
             seen.add(parent.name)
             writes = ("AssignAddVariableOp", "AssignVariableOp")
-            if parent.type in writes and parent.inputs[0].op.name in sums:
+            conditional = parent.type in ("If", "StatelessIf")
+            if (parent.type in writes and parent.inputs[0].op.name in sums) or (
+                conditional and any(t.op.name in sums for t in parent.inputs[1:])
+            ):
                 found.add(parent.name)
             stack.append(parent)
     return found
@@ -574,11 +579,13 @@ def test_fit_under_xla_compiles_the_update_apart_from_the_micro_steps():
         ]
 
     placed = [k for k in model._train_functions if isinstance(k, tuple) and k[0] == "placed"]
-    # One program for every group's first micro-step (it assigns to the
-    # sums), one for every other place in every group.
-    assert placed == [("placed", False, True), ("placed", False, False)]
-    for key in placed:
-        assert optimizer_captures(model._train_functions[key]) == [0]
+    assert placed == [("placed", False)]  # one program for every place in every group
+    assert optimizer_captures(model._train_functions[placed[0]]) == [0]
+    # A group's first micro-step assigns where the others add: selects that
+    # XLA fuses into the adds, no conditional (whose untaken branch copies).
+    (program,) = model._train_functions[placed[0]]._list_all_concrete_functions()
+    assert _conditionals(program.graph) == []
+    assert any(op.type == "SelectV2" for op in program.graph.get_operations())
     (update,) = optimizer_captures(model._train_functions["placed_update"])
     assert update > 0
 
