@@ -9,17 +9,16 @@ neighbour ``expected.npy`` (the outputs computed in the test's process).
 """
 
 import sys
+from pathlib import Path
 
-# Blocked before anything imports it: `import gradient_accumulator` raises
-# ImportError in this process, as where the package is not installed.
-sys.modules["gradient_accumulator"] = None
-
-from pathlib import Path  # noqa: E402
-
-from tests.scripts import print_results  # noqa: E402
+from tests.scripts import print_results
 
 
 def main():
+    # Blocked before anything imports it (here, not at import: pytest imports
+    # this module to collect doctests): `import gradient_accumulator` raises
+    # ImportError in this process, as where the package is not installed.
+    sys.modules["gradient_accumulator"] = None
     keras_file, export_dir, inputs = sys.argv[1:4]
     import keras
     import numpy as np
