@@ -32,6 +32,7 @@ import functools
 import threading
 import warnings
 
+import keras
 import numpy as np
 import tensorflow as tf
 from keras import ops
@@ -101,23 +102,6 @@ def update_step_scope(is_update_step):
         yield
     finally:
         stack.pop()
-
-
-@contextlib.contextmanager
-def first_writes_as_select():
-    """Inside, a write whose group's first micro-step is a tensor is a select.
-
-    ``s <- where(is_first, g, s + g)``: entered by the model around its
-    XLA-compiled micro-step (one program for every place in a group), where
-    XLA fuses the select into the add (one pass, in place); there a
-    conditional per sum would copy every sum its untaken branch may write.
-    """
-    previous = getattr(_context, "select", False)
-    _context.select = True
-    try:
-        yield
-    finally:
-        _context.select = previous
 
 
 def current_update_step():
@@ -275,6 +259,15 @@ def _sum_if_in_cross_replica(condition, values, fn):
     tf.distribute.get_replica_context().merge_call(decide, args=(condition, *values))
 
 
+def _has_loss_scale(optimizer):
+    """Whether a ``LossScaleOptimizer`` (it skips non-finite updates) is in the chain."""
+    while optimizer is not None:
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            return True
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return False
+
+
 class MicroStep:
     """What is known of a micro-step before its forward pass.
 
@@ -309,8 +302,6 @@ def _replica_local(value, shape, dtype, name, aggregation):
 def _maximum_in_place(acc, grad, is_first):
     """``acc`` becomes ``grad`` at a group's first micro-step, else ``max(acc, grad)``."""
     grad = ops.cast(tf.convert_to_tensor(grad), "float32")  # IndexedSlices densified
-    if isinstance(is_first, bool):
-        return acc.assign(grad if is_first else ops.maximum(acc, grad), read_value=False)
     return acc.assign(ops.where(is_first, grad, ops.maximum(acc, grad)), read_value=False)
 
 
@@ -321,39 +312,6 @@ def _add_in_place(acc, grad):
     # `Variable.assign_add` is `assign(self + value)`, which allocates a new
     # sum every micro-step).
     return acc.assign_add(ops.cast(grad, "float32"))
-
-
-def _assign(acc, grad):
-    # IndexedSlices densified: their duplicate rows summed.
-    return acc.assign(ops.cast(tf.convert_to_tensor(grad), "float32"), read_value=False)
-
-
-def _write_sum(acc, grad, is_first):
-    """The group's first micro-step assigns its gradient to ``acc``, the others add it.
-
-    What a sum holds before its group's first micro-step is never read, so
-    emptying the sums after an update costs nothing (it would cost passes
-    over every sum). ``is_first`` is a Python boolean where the micro-step's
-    place is known when traced (the model's group function): then nothing
-    is decided at run time. Elsewhere a scalar tensor: one conditional per
-    sum (each waits for its own gradient only, as the add does), or under
-    :func:`first_writes_as_select` a select.
-    """
-    if isinstance(is_first, bool):
-        return _assign(acc, grad) if is_first else _add_in_place(acc, grad)
-    if getattr(_context, "select", False):
-        grad = ops.cast(tf.convert_to_tensor(grad), "float32")
-        return acc.assign(ops.where(is_first, grad, acc + grad), read_value=False)
-
-    def first():
-        with tf.control_dependencies([_assign(acc, grad)]):
-            return tf.constant(True)
-
-    def later():
-        with tf.control_dependencies([_add_in_place(acc, grad)]):
-            return tf.constant(True)
-
-    return tf.cond(is_first, first, later)
 
 
 class _ClassLayout:
@@ -404,9 +362,8 @@ def _group_means(plan, sums, weights, count):
     or sums reduced at every micro-step), each mean is written into its
     variable's first sum, which takes the new buffer and frees its own, and
     the optimizer reads it from there: the means then cost one variable's
-    buffer at a time, not the size of every gradient (the next group's first
-    micro-step overwrites the sums anyway). Elsewhere ``sums`` are the
-    all-reduced tensors.
+    buffer at a time, not the size of every gradient (the sums are emptied
+    after the update anyway). Elsewhere ``sums`` are the all-reduced tensors.
 
     Args:
         plan: The update's :class:`_UpdatePlan`.
@@ -719,15 +676,8 @@ class GradientAccumulator(tf.Module):
 
         And the normaliser classes' routing (key :data:`CLASSES_KEY`).
         """
-        # With no micro-step pending the sums hold nothing the next group
-        # reads (see `reset`): saved as zeros.
-        pending = int(self.micro_step.numpy()) > 0
-        sums = {id(acc) for acc in self._all_sums()}
         for i, variable in enumerate(self.state_variables):
-            value = variable.numpy()
-            store[f"{STATE_KEY_PREFIX}{i}"] = (
-                value if pending or id(variable) not in sums else np.zeros_like(value)
-            )
+            store[f"{STATE_KEY_PREFIX}{i}"] = variable.numpy()
         routing = self._classes.routing
         width = max((len(classes) for classes in routing), default=0)
         store[CLASSES_KEY] = np.array(
@@ -809,7 +759,7 @@ class GradientAccumulator(tf.Module):
         )
         return MicroStep(is_update_step, is_first, ops.cast(planned, "float32"))
 
-    def micro_step_at(self, index, length, ends_group=None, starts_group=None):
+    def micro_step_at(self, index, length, ends_group=None):
         """The :class:`MicroStep` of micro-step ``index`` of a group of ``length``.
 
         For a function that runs a whole group: whether the micro-step ends
@@ -818,15 +768,12 @@ class GradientAccumulator(tf.Module):
         :func:`sum_across_replicas_if`). ``index`` and ``length`` may be
         integer tensors (one trace for every place in every group) when
         ``ends_group`` says whether it is the last; with Python integers it
-        may be left ``None``. ``starts_group`` likewise (a Python boolean
-        makes the first micro-step's assignments traced ones, see
-        :func:`_write_sum`). The group must start empty.
+        may be left ``None``. The group must start empty.
         """
         if ends_group is None:
             ends_group = index == length - 1
-        if starts_group is None:
-            starts_group = index == 0 if isinstance(index, int) else ops.equal(index, 0)
-        return MicroStep(ends_group, starts_group, ops.cast(length, "float32"))
+        is_first = index == 0 if isinstance(index, int) else ops.equal(index, 0)
+        return MicroStep(ends_group, is_first, ops.cast(length, "float32"))
 
     def planned_micro_step(self):
         """The :class:`MicroStep` the next micro-step will be, without starting it.
@@ -884,7 +831,6 @@ class GradientAccumulator(tf.Module):
         variables,
         statistics=(),
         divisor=None,
-        is_first=None,
     ):
         """Adds ``grads`` to the sums, then updates through ``optimizer`` if due.
 
@@ -894,15 +840,11 @@ class GradientAccumulator(tf.Module):
         ``None`` entries stay ``None`` for the optimizer, so variables without
         a gradient are left alone as in plain Keras. ``divisor`` is what this
         micro-step adds to the group's divisor (``loss_weight`` if ``None``).
-        ``is_first``: whether the micro-step starts its group (``None``: read
-        from ``micro_step``; see :meth:`_accumulate`).
         """
         divisor = loss_weight if divisor is None else divisor
         # The one-class case of `step_classes` (with several classes, the
         # missing classes' gradients fail loudly there).
-        self.step_classes(
-            [grads], [divisor], is_update_step, optimizer, variables, statistics, is_first
-        )
+        self.step_classes([grads], [divisor], is_update_step, optimizer, variables, statistics)
 
     def step_classes(
         self,
@@ -912,7 +854,6 @@ class GradientAccumulator(tf.Module):
         optimizer,
         variables,
         statistics=(),
-        is_first=None,
     ):
         """:meth:`step` with one gradient list and divisor per normaliser class.
 
@@ -923,7 +864,7 @@ class GradientAccumulator(tf.Module):
             divisors: Per class, what this micro-step adds to its divisor.
         """
         grads = [class_grads[c][i] for i, c, _ in self._slots()]
-        present = self._accumulate(grads, divisors, is_first)
+        present = self._accumulate(grads, divisors)
         self.apply_if(is_update_step, optimizer, variables, statistics, present)
 
     def apply_pending(self, optimizer, variables, statistics=()):
@@ -945,16 +886,12 @@ class GradientAccumulator(tf.Module):
         """Every gradient sum, as ``(variable index, class, sum variable)``."""
         return self._classes.flat()
 
-    def _accumulate(self, slot_grads, divisors, is_first=None):
+    def _accumulate(self, slot_grads, divisors):
         """Adds one micro-step: the gradients into their sums, the divisors into theirs.
 
         Args:
             slot_grads: One gradient (or ``None``) per entry of :meth:`_slots`.
             divisors: Per class, what this micro-step adds to its divisor.
-            is_first: Whether the micro-step starts its group (it then
-                assigns its gradients: see :func:`_write_sum`); a Python
-                boolean where known when traced, else a scalar tensor.
-                ``None``: read from ``micro_step``.
 
         Returns:
             The indices of the slots that received a gradient: trace-time
@@ -970,10 +907,10 @@ class GradientAccumulator(tf.Module):
         maximum = [self._takes_maximum[i] for i, _, _ in slots]
         if self._reduce_every_micro_step:
             slot_grads, weights = _all_reduce_in_replica(slot_grads, weights, maximum)
-        if is_first is None:
-            is_first = ops.equal(self.micro_step, 0)
+        # Read only where a sum keeps a maximum (float8 state).
+        is_first = ops.equal(self.micro_step, 0) if any(maximum) else None
         adds = [
-            _maximum_in_place(acc, grad, is_first) if takes else _write_sum(acc, grad, is_first)
+            _maximum_in_place(acc, grad, is_first) if takes else _add_in_place(acc, grad)
             for (_, _, acc), grad, takes in zip(slots, slot_grads, maximum)
             if grad is not None
         ]
@@ -1038,24 +975,46 @@ class GradientAccumulator(tf.Module):
             mean_grads = [g if m else t for g, t, m in zip(mean_grads, transformed, maxima)]
         optimizer.apply(mean_grads, variables)
         self.update_count.assign_add(1)
-        # The group ends once the optimizer has written the variables (after
-        # their reads, which wait for those writes). The sums are left as
-        # they are: the next group's first micro-step assigns its gradients.
+        # The sums are emptied once the optimizer has written the variables
+        # (after their reads, which wait for those writes), not beside it: the
+        # reset's temporaries then do not add to the optimizer's (on the MLP
+        # of benchmarks/memory.py, 80 MiB of sums, the update's allocator peak
+        # went from 512-592 MiB to 480-512).
         with tf.control_dependencies([tf.convert_to_tensor(v) for v in variables]):
-            self.reset()
+            self.reset(_has_loss_scale(optimizer))
 
-    def reset(self):
-        """Empties the group (call in replica context): no micro-step pending.
+    def reset(self, check_finite=False):
+        """Empties the group (call in replica context).
 
-        The count and the weight sums go to zero; the gradient sums keep
-        what they hold, which is never read: the group's first micro-step
-        assigns its gradients instead of adding them (:func:`_write_sum`).
-        Zeroing them would cost passes over every sum at every update (in
-        place, ``s + (-s)`` is five), and new zero tensors would give the
-        sums fresh buffers, which raised peak memory (the figures are on the
-        benchmarks page). Nor does a sum left holding an infinity or NaN (an
-        update a ``LossScaleOptimizer`` skipped) reach the next group.
+        The sums are zeroed in place (``s + (-s)`` is exactly 0 for finite
+        ``s``); assigning new zero tensors would allocate every sum's size
+        at once at each update, which raises peak memory (the figures are on
+        the benchmarks page of the documentation).
+
+        Args:
+            check_finite: Boolean. ``True`` where training goes on after a
+                non-finite gradient, i.e. when the optimizer is a
+                ``LossScaleOptimizer``, which skips such updates: sums
+                holding an infinity or NaN are then overwritten with zeros
+                (a finite total of all sums proves every element finite).
+                Elsewhere a non-finite gradient has already made the weights
+                non-finite, and the check would only cost time and memory.
         """
+        sums = self._all_sums()
+
+        def zero_in_place():
+            for acc in sums:
+                acc.assign_add(ops.negative(acc))
+
+        def overwrite():
+            for acc in sums:
+                acc.assign(ops.zeros(acc.shape, acc.dtype))
+
+        if check_finite and sums:
+            total = ops.sum(ops.stack([ops.sum(acc) for acc in sums]))
+            tf.cond(ops.isfinite(total), zero_in_place, overwrite)
+        else:
+            zero_in_place()
         for total in self._weight_sums():
             total.assign(0.0)
         self.micro_step.assign(0)

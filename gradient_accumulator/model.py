@@ -20,12 +20,7 @@ from gradient_accumulator._compat import (
 )
 from gradient_accumulator.agc import adaptive_clip_gradients, check_agc_arguments
 from gradient_accumulator.distribute import AverageBatchNormStatistics, logs_for_keras
-from gradient_accumulator.engine import (
-    GradientAccumulator,
-    StateEntry,
-    first_writes_as_select,
-    update_step_scope,
-)
+from gradient_accumulator.engine import GradientAccumulator, StateEntry, update_step_scope
 from gradient_accumulator.optimizer import check_optimizer_does_not_accumulate
 from gradient_accumulator.validation import (
     check_accum_steps,
@@ -204,8 +199,7 @@ class GradientAccumulateModel(keras.Model):
 
     Each micro-step computes the gradient of one micro-batch and adds it to
     float32 sums; every ``accum_steps``-th micro-step hands the mean of the
-    group to the compiled optimizer (the next group's first micro-step
-    overwrites the sums). ``fit`` runs a
+    group to the compiled optimizer and empties the sums. ``fit`` runs a
     whole group per compiled call (as :meth:`group_step` does) where the epoch's
     length is known, so its batch callbacks run once per update; each
     ``train_on_batch`` call is one micro-step (:meth:`train_step`). With micro-batch
@@ -417,11 +411,10 @@ class GradientAccumulateModel(keras.Model):
         return self._micro_step(_after(done, batches[-1]), last)
 
     def _micro_step(self, data, position=None, update=True):
-        """One micro-step; ``position``: ``(index, group length, ends group[, starts group])``.
+        """One micro-step; ``position``: ``(index, group length, ends group)`` if known.
 
-        The position (if known) as ``micro_step_at`` takes it: index and
-        length may be tensors; whether the step ends its group is a Python
-        boolean, whether it starts it too where given. With
+        The position's index and length may be tensors; whether the step
+        ends its group is a Python boolean (see ``micro_step_at``). With
         ``update=False`` the step only adds to the sums, even at the end of
         its group (its forward pass still sees that it ends the group): the
         caller then runs the update (``fit``'s XLA path,
@@ -476,7 +469,6 @@ class GradientAccumulateModel(keras.Model):
                 self.optimizer,
                 variables,
                 statistics,
-                micro.is_first,
             )
         compiled_metrics = getattr(self, "_compile_metrics", None)
         if keras_version() < (3, 5) and compiled_metrics is not None and not compiled_metrics.built:
@@ -735,7 +727,7 @@ class GradientAccumulateModel(keras.Model):
                 for size in sizes:
                     length = tf.constant(size, "int32")
                     if not jit:
-                        logs = self._group_function(size == 1)(iterator, length)
+                        logs = self._group_function()(iterator, length)
                         continue
                     for index in range(size):
                         step = self._placed_step_function(index == size - 1)
@@ -748,7 +740,7 @@ class GradientAccumulateModel(keras.Model):
             self._train_functions[count] = groups
         return self._train_functions[count]
 
-    def _group_function(self, single=False):
+    def _group_function(self):
         """A whole group in one function: ``(iterator, length) -> logs``, for every length.
 
         The micro-steps but the last run in a ``tf.while_loop``, one after
@@ -759,15 +751,9 @@ class GradientAccumulateModel(keras.Model):
         activations. A loop, not the micro-steps unrolled: a micro-step is
         traced twice whatever the length, and the graph stays one
         micro-step's size (unrolled, it held hundreds of MiB more on
-        MobileNetV2; the figures are on the benchmarks page). The loop's
-        first micro-step assigns its gradients to the sums, the others add
-        (a conditional per sum, see
-        :func:`~gradient_accumulator.engine._write_sum`): the first
-        micro-step traced apart, a third copy of the network's graph, held
-        +233 MiB of RSS on MobileNetV2. ``single``: the function of a group
-        of one micro-step (length 1).
+        MobileNetV2; the figures are on the benchmarks page).
         """
-        key = ("group", single)
+        key = "group"
         if key not in self._train_functions:
             strategy = self.distribute_strategy
 
@@ -780,14 +766,10 @@ class GradientAccumulateModel(keras.Model):
                 return ops.sum(ops.stack(strategy.experimental_local_results(marker)))
 
             def group(iterator, length):
-                if single:
-                    only = (0, length, True, True)
-                    logs = strategy.run(self._micro_step, args=(next(iterator), only))
-                    return reduce_replica_logs(logs, strategy)
                 done = tf.zeros((), "int64")
                 for index in tf.range(length - 1):
                     done = marked(after(done, iterator), (index, length, False))
-                last = (length - 1, length, True, False)
+                last = (length - 1, length, True)
                 logs = strategy.run(self._micro_step, args=(after(done, iterator), last))
                 return reduce_replica_logs(logs, strategy)
 
@@ -812,10 +794,8 @@ class GradientAccumulateModel(keras.Model):
 
         ``ends_group`` is what its forward pass sees (statistics layers move
         their statistics at the group's last micro-step); without such layers
-        every micro-step of a group is the same computation, compiled once
-        (the first one's writes are selects, see
-        :func:`~gradient_accumulator.engine.first_writes_as_select`). The
-        update is :meth:`_placed_update_function`'s.
+        every micro-step of a group is the same computation, compiled once.
+        The update is :meth:`_placed_update_function`'s.
         """
         ends_group = ends_group and bool(self._statistics_layers())
         key = ("placed", ends_group)
@@ -824,10 +804,9 @@ class GradientAccumulateModel(keras.Model):
 
             def placed_step(data, index, length):
                 position = (index, length, ends_group)
-                with first_writes_as_select():
-                    logs = strategy.run(
-                        self._micro_step, args=(data, position), kwargs={"update": False}
-                    )
+                logs = strategy.run(
+                    self._micro_step, args=(data, position), kwargs={"update": False}
+                )
                 return reduce_replica_logs(logs, strategy)
 
             self._train_functions[key] = tf.function(
@@ -838,7 +817,7 @@ class GradientAccumulateModel(keras.Model):
     def _placed_update_function(self):
         """The XLA-compiled update of a group whose micro-steps only added: ``() -> None``.
 
-        The group's mean gradient to the optimizer, then the group ended
+        The group's mean gradient to the optimizer, then the sums emptied
         (:meth:`GradientAccumulator.apply_if`). Its own computation, apart
         from the last micro-step's (see :meth:`_groups_function`). One
         replica only (``_check_jit_compile``): the statistics layers have

@@ -231,8 +231,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     eager or inside a ``tf.function``) and for ``model.compile()`` of a plain
     ``keras.Model``. Each call to ``apply_gradients`` (a *micro-step*) adds
     the gradients to float32 sums; every ``accum_steps``-th call (an
-    *update*) hands their mean to the inner optimizer (the next group's first
-    call overwrites the sums).
+    *update*) hands their mean to the inner optimizer and empties the sums.
     With ``g_i`` the gradient passed at micro-step ``i`` of a group of
     ``k = accum_steps``::
 
@@ -273,7 +272,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     summing repeated ones, which is not that step: see "My Embedding model
     does not match plain Keras" in the troubleshooting guide.) Memory: the sum is one
     dense float32 copy of each embedding table, and an update step makes one
-    more transient copy (the mean gradient).
+    more transient copy (the mean gradient); the sum is zeroed in place.
 
     Distribution: call ``apply_gradients`` in replica context (inside
     ``strategy.run``, as Keras's ``fit`` does); micro-steps that do not update

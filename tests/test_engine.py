@@ -29,74 +29,25 @@ def _ops_using(graph, variable):
     )
 
 
-def _branches_using(graph, variable):
-    """Per conditional of ``graph`` taking ``variable``'s handle: its branches' op types on it."""
-    internal = _captured(graph, variable)
-    found = []
-    for cond in graph.get_operations():
-        if cond.type not in ("If", "StatelessIf"):
-            continue
-        outer = cond.inputs[1:]
-        positions = [k for k, t in enumerate(outer) if any(t is i for i in internal)]
-        if not positions:
-            continue
-        types = []
-        for attr in ("then_branch", "else_branch"):
-            branch = graph._get_function(cond.get_attr(attr).name).graph
-            handles = [branch.inputs[k] for k in positions]
-            types.append(_ops_using_handles(branch, handles))
-        found.append(tuple(types))
-    return sorted(found)
-
-
-def _ops_using_handles(graph, handles):
-    return sorted(
-        op.type for op in graph.get_operations() if any(t is h for t in op.inputs for h in handles)
-    )
-
-
 def test_a_micro_step_is_one_in_place_add_per_variable():
     # Keras's `Variable.assign_add` is `assign(self + value)`: a read, a new
     # tensor of the variable's size and an assignment, every micro-step. The
     # engine must use TensorFlow's in-place AssignAddVariableOp instead, and
-    # touch the sums nowhere else outside the update's conditional. A group's
-    # first micro-step assigns its gradients instead: what the sums held
-    # before is never read, so the update need not empty them.
+    # touch the sums nowhere else outside the update's conditional.
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2)])
     optimizer = keras.optimizers.Adam()
     optimizer.build(model.trainable_variables)
-    variables = model.trainable_variables
-    accumulator = GradientAccumulator(4, variables)
-    grads = [np.ones(v.shape, "float32") for v in variables]
-
-    def traced(is_first):
-        def step(grads):
-            accumulator.step(grads, 1.0, False, optimizer, variables, is_first=is_first)
-
-        return tf.function(step).get_concrete_function(grads).graph
-
-    # Where the micro-step's place is known when traced: one op per sum.
-    for is_first, write in ((False, "AssignAddVariableOp"), (True, "AssignVariableOp")):
-        graph = traced(is_first)
-        for acc in accumulator.gradient_sums:
-            assert _ops_using(graph, acc) == [write], (is_first, acc.name)
+    accumulator = GradientAccumulator(4, model.trainable_variables)
+    grads = [np.ones(v.shape, "float32") for v in model.trainable_variables]
 
     @tf.function
     def micro_step(grads, is_update_step):
-        accumulator.step(grads, 1.0, is_update_step, optimizer, variables)
+        accumulator.step(grads, 1.0, is_update_step, optimizer, model.trainable_variables)
 
-    # Where it is not (the per-micro-step path): a conditional per sum that
-    # assigns or adds in place, and the update's conditional.
     graph = micro_step.get_concrete_function(grads, tf.constant(False)).graph
     for acc in accumulator.gradient_sums:
-        assert _ops_using(graph, acc) == ["If", "If"], acc.name
-        branches = [b for b in _branches_using(graph, acc) if "AssignAddVariableOp" in b[1]]
-        assert branches == [(["AssignVariableOp"], ["AssignAddVariableOp"])], acc.name
+        assert _ops_using(graph, acc) == ["AssignAddVariableOp", "If"], acc.name
 
-    # Whatever the sums held before the group (here NaN, inf and a huge
-    # finite value) is not read.
-    for acc in accumulator.gradient_sums:
-        acc.assign(np.resize(np.array([np.nan, np.inf, 3e38], "float32"), acc.shape))
     micro_step(grads, tf.constant(False))
     micro_step(grads, tf.constant(False))
     for acc, grad in zip(accumulator.gradient_sums, grads):
@@ -113,31 +64,35 @@ def _accumulator_with_sums(values):
     return accumulator
 
 
-@pytest.mark.parametrize("place", ["traced", "counted"])
-def test_reset_touches_no_sum_and_the_next_group_starts_from_its_gradients(place):
-    # Zeroing the sums at every update cost passes over all of them (in
-    # place, s + (-s): five; new zero tensors gave them fresh buffers, ~100 MB
-    # more peak memory on MobileNetV2). The reset leaves them, and the next
-    # group's first micro-step assigns its gradients: sums left holding inf
-    # or NaN (an update a LossScaleOptimizer skipped) do not reach it.
-    values = [np.array([np.inf, -2.0, 3e38], "float32"), np.full((2, 2), np.nan, "float32")]
+def test_reset_zeroes_the_sums_in_place():
+    # New zero tensors would give the sums fresh buffers at every update,
+    # which cost ~100 MB more peak memory on MobileNetV2
+    # (benchmarks/memory.py): reset only adds in place.
+    values = [np.array([1.5, -2.0, 3e38], "float32"), np.full((2, 2), -7.25, "float32")]
     accumulator = _accumulator_with_sums(values)
     reset = tf.function(accumulator.reset)
     graph = reset.get_concrete_function().graph
     for acc in accumulator.gradient_sums:
-        assert _ops_using(graph, acc) == [], acc.name
+        assert _ops_using(graph, acc) == ["AssignAddVariableOp", "ReadVariableOp"], acc.name
     reset()
+    for acc in accumulator.gradient_sums:
+        np.testing.assert_array_equal(acc.numpy(), np.zeros(acc.shape))
     assert float(accumulator.weight_sum.numpy()) == 0.0
     assert int(accumulator.micro_step.numpy()) == 0
 
-    grads = [np.full(v.shape, 0.5, "float32") for v in values]
-    first = True if place == "traced" else None
-    tf.function(lambda: accumulator._accumulate(grads, [1.0], is_first=first))()
-    tf.function(lambda: accumulator._accumulate(grads, [1.0], is_first=False))()
+
+def test_reset_after_a_non_finite_gradient_overwrites_when_checking():
+    # Under a LossScaleOptimizer the update with an overflowed gradient is
+    # skipped and training goes on: the next group must start from zeros,
+    # which s + (-s) does not give for inf or NaN.
+    values = [np.array([np.inf, 1.0], "float32"), np.array([np.nan, -np.inf], "float32")]
+    accumulator = _accumulator_with_sums(values)
+    tf.function(lambda: accumulator.reset(check_finite=True))()
     for acc in accumulator.gradient_sums:
-        np.testing.assert_array_equal(acc.numpy(), np.ones(acc.shape))
-    assert float(accumulator.weight_sum.numpy()) == 2.0
-    assert int(accumulator.micro_step.numpy()) == 2
+        np.testing.assert_array_equal(acc.numpy(), np.zeros(acc.shape))
+    finite = _accumulator_with_sums([np.array([1.0, -3.0], "float32")])
+    tf.function(lambda: finite.reset(check_finite=True))()
+    np.testing.assert_array_equal(finite.gradient_sums[0].numpy(), [0.0, 0.0])
 
 
 def _branch_inputs(graph, variable):
@@ -151,13 +106,10 @@ def _branch_inputs(graph, variable):
     return branch, inputs
 
 
-def test_the_group_ends_after_the_optimizer_writes_the_variables():
-    # The group's end (its count back to zero, which marks it for the next
-    # group's fetch) waits for the optimizer's writes of the variables, and
-    # the update writes each sum once (its mean, see the next test): no pass
-    # empties them (emptying them beside the optimizer's update added the
-    # reset's temporaries to the optimizer's: on benchmarks/memory.py's MLP
-    # the update's allocator peak was 512-592 MiB, 480-512 once it waited).
+def test_the_sums_are_emptied_after_the_optimizer_writes_the_variables():
+    # Emptying the sums beside the optimizer's update added the reset's
+    # temporaries to the optimizer's: on benchmarks/memory.py's MLP the
+    # update's allocator peak was 512-592 MiB, 480-512 once the reset waits.
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2)])
     optimizer = keras.optimizers.Adam()
     optimizer.build(model.trainable_variables)
@@ -167,7 +119,7 @@ def test_the_group_ends_after_the_optimizer_writes_the_variables():
 
     @tf.function
     def micro_step(grads, is_update_step):
-        accumulator.step(grads, 1.0, is_update_step, optimizer, variables, is_first=False)
+        accumulator.step(grads, 1.0, is_update_step, optimizer, variables)
 
     graph = micro_step.get_concrete_function(grads, tf.constant(True)).graph
     model_reads = set()
@@ -180,22 +132,24 @@ def test_the_group_ends_after_the_optimizer_writes_the_variables():
         }
     for acc in accumulator.gradient_sums:
         branch, inputs = _branch_inputs(graph, acc)
-        writes = sorted(
-            op.type
+        writes = [
+            op
             for op in branch.get_operations()
-            if op.type.startswith("Assign") and any(op.inputs[0] is t for t in inputs)
-        )
-        assert writes == ["AssignVariableOp"], (acc.name, writes)
-    branch, inputs = _branch_inputs(graph, accumulator.micro_step)
-    (end,) = [
-        op
-        for op in branch.get_operations()
-        if op.type == "AssignVariableOp" and any(op.inputs[0] is t for t in inputs)
-    ]
-    # Directly or through the value it assigns.
-    waits_for = {op.name for op in end.control_inputs}
-    waits_for |= {op.name for t in end.inputs for op in t.op.control_inputs}
-    assert waits_for and waits_for <= model_reads, waits_for
+            if op.type == "AssignAddVariableOp" and any(op.inputs[0] is t for t in inputs)
+        ]
+        assert len(writes) == 1, acc.name  # the reset's s + (-s)
+        # The reset's read of the sum (the first op of its negation) waits
+        # for reads of the model's variables made after the optimizer's writes
+        # (and for the sum's own write, the group's mean written into it).
+        read = writes[0].inputs[1].op.inputs[0].op
+        assert read.type == "ReadVariableOp", read.type
+        own = {
+            op.name
+            for op in read.control_inputs
+            if op.type == "AssignVariableOp" and any(op.inputs[0] is t for t in inputs)
+        }
+        waits_for = {op.name for op in read.control_inputs} - own
+        assert waits_for and waits_for <= model_reads, (acc.name, waits_for)
 
 
 def test_each_mean_is_written_into_its_sum_one_variable_after_the_other():
@@ -223,7 +177,7 @@ def test_each_mean_is_written_into_its_sum_one_variable_after_the_other():
     for variable, start in zip(variables, before):
         np.testing.assert_allclose(variable.numpy(), start - 1.5, rtol=0, atol=1e-6)
     for acc in accumulator.gradient_sums:
-        np.testing.assert_array_equal(acc.numpy(), 1.5)  # left there: the next group assigns
+        np.testing.assert_array_equal(acc.numpy(), 0.0)
     graph = update.get_concrete_function(grads).graph
     divisions = [op for op in graph.get_operations() if op.type == "DivNoNan"]
     assert len(divisions) == len(variables)
@@ -268,14 +222,12 @@ def test_a_decision_known_when_traced_needs_no_conditional():
     def group(grads):
         for index in range(2):
             micro = accumulator.micro_step_at(index, 2)
-            accumulator.step(
-                grads, 0.5, micro.is_update_step, optimizer, variables, is_first=micro.is_first
-            )
+            accumulator.step(grads, 0.5, micro.is_update_step, optimizer, variables)
 
     graph = group.get_concrete_function(grads).graph
     assert not [op.type for op in graph.get_operations() if "If" in op.type or "Case" in op.type]
     accumulating = tf.function(
-        lambda grads: accumulator.step(grads, 0.5, False, optimizer, variables, is_first=False)
+        lambda grads: accumulator.step(grads, 0.5, False, optimizer, variables)
     ).get_concrete_function(grads).graph
     for acc in accumulator.gradient_sums:
         assert _ops_using(accumulating, acc) == ["AssignAddVariableOp"], acc.name

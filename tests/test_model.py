@@ -490,12 +490,7 @@ def test_group_step_equals_big_batch_without_a_conditional(jit_compile):
 
 
 def _adds_before(op, sums):
-    """The names of the writes into ``sums`` (captured handles' names) ``op`` waits for.
-
-    A group's first micro-step assigns to the sums, the others add in place;
-    where the place is a tensor (fit's loop), a conditional per sum does one
-    or the other.
-    """
+    """The names of the in-place adds into ``sums`` (captured handles' names) ``op`` waits for."""
     found, seen, stack = set(), set(), [op]
     while stack:
         current = stack.pop()
@@ -503,11 +498,7 @@ def _adds_before(op, sums):
             if parent.name in seen:
                 continue
             seen.add(parent.name)
-            writes = ("AssignAddVariableOp", "AssignVariableOp")
-            conditional = parent.type in ("If", "StatelessIf")
-            if (parent.type in writes and parent.inputs[0].op.name in sums) or (
-                conditional and any(t.op.name in sums for t in parent.inputs[1:])
-            ):
+            if parent.type == "AssignAddVariableOp" and parent.inputs[0].op.name in sums:
                 found.add(parent.name)
             stack.append(parent)
     return found
@@ -532,7 +523,7 @@ def test_a_group_runs_its_micro_steps_one_after_the_other():
     model.fit(x, y, batch_size=MICRO_BATCH, epochs=1, shuffle=False, verbose=0)
     variables = len(model._accumulator.gradient_sums)
 
-    (group,) = model._train_functions[("group", False)]._list_all_concrete_functions()
+    (group,) = model._train_functions["group"]._list_all_concrete_functions()
     (loop,) = [op for op in group.graph.get_operations() if op.type in ("While", "StatelessWhile")]
     body = group.graph._functions[loop.get_attr("body").name].graph
     (fetch,) = [op for op in body.get_operations() if op.type == "IteratorGetNext"]
@@ -581,11 +572,6 @@ def test_fit_under_xla_compiles_the_update_apart_from_the_micro_steps():
     placed = [k for k in model._train_functions if isinstance(k, tuple) and k[0] == "placed"]
     assert placed == [("placed", False)]  # one program for every place in every group
     assert optimizer_captures(model._train_functions[placed[0]]) == [0]
-    # A group's first micro-step assigns where the others add: selects that
-    # XLA fuses into the adds, no conditional (whose untaken branch copies).
-    (program,) = model._train_functions[placed[0]]._list_all_concrete_functions()
-    assert _conditionals(program.graph) == []
-    assert any(op.type == "SelectV2" for op in program.graph.get_operations())
     (update,) = optimizer_captures(model._train_functions["placed_update"])
     assert update > 0
 
