@@ -1000,6 +1000,9 @@ class GradientAccumulator(tf.Module):
                 Elsewhere a non-finite gradient has already made the weights
                 non-finite, and the check would only cost time and memory.
         """
+        for total in self._weight_sums():
+            total.assign(0.0)
+        self.micro_step.assign(0)
         sums = self._all_sums()
 
         def zero_in_place():
@@ -1007,14 +1010,15 @@ class GradientAccumulator(tf.Module):
                 acc.assign_add(ops.negative(acc))
 
         def overwrite():
+            # Zeros filled from a value read at run time (the count, just
+            # reset): zeros of a known shape would be folded into constants
+            # that the graph holds for good, up to the sums' size.
+            zero = ops.cast(self.micro_step.read_value(), "float32")
             for acc in sums:
-                acc.assign(ops.zeros(acc.shape, acc.dtype))
+                acc.assign(tf.fill(tf.shape(acc), zero), read_value=False)
 
         if check_finite and sums:
             total = ops.sum(ops.stack([ops.sum(acc) for acc in sums]))
             tf.cond(ops.isfinite(total), zero_in_place, overwrite)
         else:
             zero_in_place()
-        for total in self._weight_sums():
-            total.assign(0.0)
-        self.micro_step.assign(0)

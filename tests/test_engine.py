@@ -95,6 +95,25 @@ def test_reset_after_a_non_finite_gradient_overwrites_when_checking():
     np.testing.assert_array_equal(finite.gradient_sums[0].numpy(), [0.0, 0.0])
 
 
+def test_the_overwrite_holds_no_constant_zeros():
+    # Zeros of a known shape in the reset's (mostly untaken) overwrite branch
+    # were folded into constants, held by the graph for good: one 4 MiB sum's
+    # size here (sums of one shape shared one). TensorFlow's CPU allocator
+    # counts the bytes in use.
+    accumulator = _accumulator_with_sums([np.ones((1024, 1024), "float32")] * 4)
+    reset = tf.function(lambda: accumulator.reset(check_finite=True))
+
+    def in_use():
+        return tf.config.experimental.get_memory_info("CPU:0")["current"]
+
+    before = in_use()
+    reset()
+    reset()
+    assert in_use() - before < 2**20
+    for acc in accumulator.gradient_sums:
+        np.testing.assert_array_equal(acc.numpy(), np.zeros(acc.shape))
+
+
 def _branch_inputs(graph, variable):
     """The update conditional's taken branch, and its inputs that are ``variable``'s handle."""
     internal = _captured(graph, variable)
