@@ -460,7 +460,7 @@ def replace_batchnorm_layers(
     260
     >>> wrapped = GradientAccumulateModel(
     ...     accum_steps=4, inputs=new.input, outputs=new.output)
-    >>> wrapped.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    >>> wrapped.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
 
     ``wrapped.fit(x, y, batch_size=2)`` then updates the weights and the 52
     layers' moving statistics once every 4 micro-batches, with the statistics
