@@ -3,7 +3,7 @@
 One fresh process (this script) splits the CPU into two logical devices and
 trains the same dense model (same seed, data and steps) under
 ``tf.distribute.MirroredStrategy`` with
-``gradient_accumulator.distribute.CountingCrossDeviceOps``, which counts the
+``benchmarks._counting.CountingCrossDeviceOps``, which counts the
 batched cross-replica reductions that actually run and the bytes of one
 replica's values they carry:
 
@@ -204,7 +204,7 @@ def main():
         repeating_iterator,
         time_calls,
     )
-    from gradient_accumulator.distribute import CountingCrossDeviceOps
+    from benchmarks._counting import CountingCrossDeviceOps
 
     quick = args.quick
     width, rounds, micro_batch = (64, 3, 8) if quick else (1024, 60, 16)

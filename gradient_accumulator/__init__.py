@@ -15,7 +15,7 @@ from gradient_accumulator.agc import (  # noqa: E402, F401
     compute_norm,
     unitwise_norm,
 )
-from gradient_accumulator.distribute import (  # noqa: E402
+from gradient_accumulator.batchnorm_averaging import (  # noqa: E402
     AverageBatchNormStatistics,
     average_batchnorm_statistics,
 )

@@ -51,6 +51,20 @@ def sublayers(layer, recursive=True):
     return list(layer._flatten_layers(include_self=False, recursive=recursive))
 
 
+def optimizer_chain(optimizer):
+    """``optimizer`` and every optimizer it wraps, outermost first.
+
+    Keras's wrapping optimizers (``LossScaleOptimizer``, and
+    ``GradientAccumulateOptimizer`` as it) hold the wrapped one as
+    ``inner_optimizer``; Keras has no function that walks them.
+    """
+    chain = []
+    while optimizer is not None and not any(optimizer is seen for seen in chain):
+        chain.append(optimizer)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return chain
+
+
 _reductions = threading.local()
 
 

@@ -1,18 +1,40 @@
-"""Distribution helpers: how the accumulated gradient crosses replicas once per update."""
+"""Distribution helpers: how the accumulated gradient crosses replicas once per update.
+
+Keras 3's built-in accumulation puts ``optimizer.apply`` (which all-reduces
+gradients and calls ``merge_call``) inside a conditional in *replica*
+context, which MirroredStrategy forbids. Here, wherever collectives need
+``merge_call`` (MirroredStrategy and MultiWorkerMirroredStrategy, unless the
+step is XLA-compiled and every device is a GPU; see
+:func:`supports_collectives_in_conditionals`), the apply-or-skip conditional
+runs in *cross-replica* context, reduces the sums there and re-enters the
+replicas for the update, the pattern of Keras's own ``LossScaleOptimizer``
+(:func:`sum_across_replicas_if`). Where collectives may sit in a
+replica-context conditional (no strategy; either strategy in an XLA-compiled
+step on GPUs only), the conditional stays in the replica. Either way the
+sums are replica-local (``synchronization="on_read"``): a micro-step that
+does not update communicates nothing, and an update makes one batched
+all-reduce of the sums, after which the optimizer is told not to reduce
+again (:func:`gradients_already_reduced`), so that clipping sees the global
+gradient.
+"""
 
 import contextlib
 import threading
-import weakref
 
-import keras
 import tensorflow as tf
 from keras import ops
 
 from gradient_accumulator._compat import (
     OPTIMIZER_ALL_REDUCE_METHOD,
     in_multi_worker_mode,
+    optimizer_chain,
     strategy_supports_no_merge_call,
-    sublayers,
+)
+
+# Their import path before `batchnorm_averaging` existed (docs/api.rst), kept.
+from gradient_accumulator.batchnorm_averaging import (  # noqa: F401
+    AverageBatchNormStatistics,
+    average_batchnorm_statistics,
 )
 
 _patch_lock = threading.Lock()
@@ -21,15 +43,6 @@ _patch_depth = {}
 
 def _identity(grads_and_vars):
     return grads_and_vars
-
-
-def _optimizer_chain(optimizer):
-    """The optimizer and every optimizer it wraps (LossScaleOptimizer, ...)."""
-    chain = []
-    while optimizer is not None and optimizer not in chain:
-        chain.append(optimizer)
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    return chain
 
 
 @contextlib.contextmanager
@@ -48,7 +61,7 @@ def gradients_already_reduced(optimizer):
     process trace in threads of their own, so entries are counted: the patch
     stays until the last one leaves.
     """
-    chain = _optimizer_chain(optimizer)
+    chain = optimizer_chain(optimizer)
     with _patch_lock:
         for opt in chain:
             if _patch_depth.get(id(opt), 0) == 0:
@@ -108,145 +121,116 @@ def logs_for_keras(logs, strategy):
     }
 
 
-class CountingCrossDeviceOps(tf.distribute.ReductionToOneDevice):
-    """Counts the batched cross-replica reductions that actually run.
+def by_replica(value):
+    """``value`` (float32) in this replica's row of zeros, one row per replica.
 
-    A diagnostic for ``tf.distribute.MirroredStrategy(devices,
-    cross_device_ops=CountingCrossDeviceOps())``: every
-    ``batch_reduce_to``/``all_reduce`` of the strategy (gradients included)
-    passes through it, and the counters are variables incremented by the
-    reduction itself, so they count reductions that executed, not the ones
-    traced (a reduction inside a conditional that did not run is not counted).
-
-    Attributes:
-        reductions: int64 variable, batched reductions run so far.
-        bytes: int64 variable, bytes of one replica's values summed over them.
+    The sum over the replicas of these tensors holds every replica's value,
+    exactly (``x + 0 = x``), and its maximum over the first axis is the
+    maximum across replicas: TensorFlow's reductions have a sum and a mean but
+    no maximum, and so a maximum rides in the update's one batched sum. One
+    replica is the case of one row.
     """
-
-    def __init__(self):
-        super().__init__()
-        with tf.init_scope():
-            self.reductions = tf.Variable(0, dtype=tf.int64, trainable=False)
-            self.bytes = tf.Variable(0, dtype=tf.int64, trainable=False)
-
-    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
-        size = 0
-        for value, _ in value_destination_pairs:
-            first = value.values[0] if hasattr(value, "values") else value
-            size += first.shape.num_elements() * first.dtype.size
-        with tf.control_dependencies([self.reductions.assign_add(1), self.bytes.assign_add(size)]):
-            return super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
+    context = tf.distribute.get_replica_context()
+    value = ops.cast(ops.convert_to_tensor(value), "float32")
+    row = ops.cast(ops.convert_to_tensor(context.replica_id_in_sync_group), "int32")
+    shape = (context.num_replicas_in_sync, *value.shape)
+    return tf.scatter_nd(ops.reshape(row, (1, 1)), value[None], shape)
 
 
-# model -> (its averaged variables' ids, the traced averaging function).
-_AVERAGE_FUNCTIONS = weakref.WeakKeyDictionary()
+def maximum_of_rows(reduced):
+    """The maximum across replicas of a sum of :func:`by_replica` tensors."""
+    return ops.max(reduced, axis=0)
 
 
-def _averaged_batchnorms(model):
-    """The BatchNormalization layers whose replicas' copies can differ.
+def all_reduce_in_replica(grads, weights, maximum):
+    """Sums the dense gradients and the weights across replicas, in one batch.
 
-    Built layers of ``model`` (at any depth) that normalise each replica's
-    shard on their own and update their copies at every training call:
-    Keras's ``BatchNormalization`` and ``AccumBatchNormalization`` with
-    ``accum_steps=1``, unless ``synchronized=True``. An
-    ``AccumBatchNormalization`` with ``accum_steps > 1`` is left out: it merges
-    every replica's statistics at each update, so its copies are equal.
+    ``maximum`` flags the gradients that take the maximum across replicas
+    instead (float8 state, ``engine.takes_maximum``), in the same batch (:func:`by_replica`).
     """
-    return [
-        layer
-        for layer in sublayers(model)
-        if isinstance(layer, keras.layers.BatchNormalization)
-        and layer.built
-        and not getattr(layer, "synchronized", False)
-        and getattr(layer, "accum_steps", 1) == 1
+    present = [(g, m) for g, m in zip(grads, maximum) if g is not None]
+    dense = [  # IndexedSlices densified
+        by_replica(g) if m else tf.convert_to_tensor(g) for g, m in present
     ]
+    reduced = tf.distribute.get_replica_context().all_reduce(
+        tf.distribute.ReduceOp.SUM, [*dense, *weights]
+    )
+    weights = reduced[len(dense) :]
+    reduced = iter(
+        maximum_of_rows(r) if m else r for r, (_, m) in zip(reduced[: len(dense)], present)
+    )
+    return [None if g is None else next(reduced) for g in grads], weights
 
 
-def average_batchnorm_statistics(model):
-    """Makes every replica's copy of BatchNormalization statistics their average.
+def sum_across_replicas_if(condition, values, fn):
+    """If ``condition``: sums ``values`` over the replicas and runs ``fn(*sums)`` in each.
 
-    Without ``synchronized=True``, Keras's ``BatchNormalization`` under
-    ``tf.distribute`` normalises each replica's shard with that shard's
-    statistics and updates the replica's own copy of
-    ``moving_mean``/``moving_variance`` from them: the copies drift apart, and
-    evaluation, ``predict`` and checkpoints read the first replica's. This
-    replaces every copy by the mean over replicas, in one batched all-reduce.
-    The averaged mean is the moving mean of the global batches when shards
-    are equal; the averaged variance misses the spread between replicas'
-    means (``synchronized=True``, or ``AccumBatchNormalization`` with
-    ``accum_steps > 1``, which merges its replicas' statistics exactly at
-    every update, give the global statistics).
+    The one place where the library communicates at an update: all of
+    ``values`` cross the replicas in one batched reduction, and only when
+    ``condition`` holds (a micro-step that does not update communicates
+    nothing). Call it in replica context, in every replica.
 
-    Layers whose copies are equal anyway are left alone: synchronized ones,
-    and ``AccumBatchNormalization`` with ``accum_steps > 1``.
-    ``GradientAccumulateModel.fit`` calls this by itself (see
-    :class:`AverageBatchNormStatistics`); call it in a custom loop before
-    evaluating or saving.
+    Where collectives may sit in a replica-context conditional (no strategy,
+    or an XLA-compiled step on GPUs only), the conditional stays in the
+    replica (:func:`_sum_if_in_replica`). Elsewhere (``MirroredStrategy``,
+    ``MultiWorkerMirroredStrategy`` on CPUs) it is taken in cross-replica
+    context and re-enters the replicas (:func:`_sum_if_in_cross_replica`),
+    the pattern of Keras's ``LossScaleOptimizer``: ``fn`` may then call
+    ``merge_call`` itself, as Keras optimizers do.
+
+    A Python ``bool`` condition (a micro-step whose place in its group is
+    known when it is traced, as in a function that runs a whole group) needs
+    no conditional: ``True`` reduces and runs ``fn``, ``False`` does nothing.
 
     Args:
-        model: A Keras model created under the strategy's scope. Layers of
-            nested models are included.
-
-    Returns:
-        Integer, the number of layers averaged (0 without a strategy).
+        condition: Boolean scalar tensor, the same in every replica, or a
+            Python ``bool``.
+        values: List of float tensors or replica-local variables (this
+            replica's values).
+        fn: Callable taking one reduced tensor per entry of ``values``.
     """
-    if not isinstance(model, keras.Model):
-        raise ValueError(
-            "`model` must be a Keras model created under the strategy's scope. "
-            f"Received: model={model!r} of type {type(model).__name__}"
-        )
-    strategy = model.distribute_strategy
-    layers = _averaged_batchnorms(model)
-    variables = [v for layer in layers for v in (layer.moving_mean, layer.moving_variance)]
-    if not variables or strategy.num_replicas_in_sync == 1:
-        return 0
-    key = tuple(id(v) for v in variables)
-    cached = _AVERAGE_FUNCTIONS.get(model)
-    if cached is None or cached[0] != key:
-
-        def average_in_replica():
-            means = tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.MEAN, [ops.convert_to_tensor(v) for v in variables]
-            )
-            for variable, mean in zip(variables, means):
-                variable.assign(mean)
-
-        # Traced once per model (and set of layers), not at every call.
-        cached = (key, tf.function(lambda: strategy.run(average_in_replica)))
-        _AVERAGE_FUNCTIONS[model] = cached
-    cached[1]()
-    return len(layers)
+    in_replica = supports_collectives_in_conditionals()
+    if isinstance(condition, bool):
+        if condition:
+            (_sum_in_replica if in_replica else _sum_in_cross_replica)(values, fn)
+        return
+    if in_replica:
+        _sum_if_in_replica(condition, values, fn)
+    else:
+        _sum_if_in_cross_replica(condition, values, fn)
 
 
-class AverageBatchNormStatistics(keras.callbacks.Callback):
-    """Averages the replicas' copies of BatchNormalization statistics whenever they are read.
+def _sum_in_replica(values, fn):
+    # Identities: inside a conditional, the batch must come from one graph,
+    # the branch's (variables are read there; tensors may come from outside).
+    sums = [tf.identity(v) for v in values]
+    if sums:
+        sums = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, sums)
+    fn(*sums)
 
-    Calls :func:`average_batchnorm_statistics` before every evaluation
-    (validation during ``fit`` included), at the end of every epoch and at
-    the end of training, so that validation, ``ModelCheckpoint``,
-    ``BackupAndRestore``, ``evaluate`` and ``predict`` see one set of
-    statistics instead of the first replica's. Put it first in ``callbacks``
-    so that it runs before the callbacks that save.
 
-    ``GradientAccumulateModel.fit`` adds it by itself under a strategy with
-    several replicas (``average_batchnorm_statistics=False`` turns that
-    off); use it with a plain ``keras.Model``. Without a strategy it does
-    nothing.
+def _sum_if_in_replica(condition, values, fn):
+    tf.cond(condition, lambda: _sum_in_replica(values, fn), lambda: None)
 
-    Example:
 
-    >>> import keras
-    >>> from gradient_accumulator import AverageBatchNormStatistics
-    >>> callback = AverageBatchNormStatistics()
-    >>> isinstance(callback, keras.callbacks.Callback)
-    True
-    """
+def _reduce_then_run(strategy, values, fn):
+    """Cross-replica context: ``values`` summed onto their devices in one batch, then ``fn``."""
+    pairs = [(value, value) for value in values]
+    sums = []
+    if pairs:
+        sums = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)
+    strategy.extended.call_for_each_replica(fn, args=tuple(sums))
 
-    def on_test_begin(self, logs=None):
-        average_batchnorm_statistics(self.model)
 
-    def on_epoch_end(self, epoch, logs=None):
-        average_batchnorm_statistics(self.model)
+def _sum_in_cross_replica(values, fn):
+    tf.distribute.get_replica_context().merge_call(
+        lambda strategy, *values: _reduce_then_run(strategy, values, fn), args=tuple(values)
+    )
 
-    def on_train_end(self, logs=None):
-        average_batchnorm_statistics(self.model)
+
+def _sum_if_in_cross_replica(condition, values, fn):
+    def decide(strategy, condition, *values):
+        decision = strategy.experimental_local_results(condition)[0]
+        tf.cond(decision, lambda: _reduce_then_run(strategy, values, fn), lambda: None)
+
+    tf.distribute.get_replica_context().merge_call(decide, args=(condition, *values))

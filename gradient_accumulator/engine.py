@@ -7,24 +7,9 @@ optimizer update reads that decision from here: the optimizer is called with
 the accumulated gradient, and layers such as ``AccumBatchNormalization`` read it
 through :func:`current_update_step` while the model's forward pass is traced.
 
-Why the structure: Keras 3's built-in accumulation puts ``optimizer.apply``
-(which all-reduces gradients and calls ``merge_call``) inside a conditional
-in *replica* context, which MirroredStrategy forbids. Here, wherever
-collectives need ``merge_call`` (MirroredStrategy and
-MultiWorkerMirroredStrategy, unless the step is XLA-compiled and every device
-is a GPU; see
-:func:`gradient_accumulator.distribute.supports_collectives_in_conditionals`),
-every micro-step runs the same unconditional ``merge_call``; the
-apply-or-skip conditional runs in *cross-replica* context, reduces the sums
-there and re-enters the replicas for the update, the pattern of Keras's own
-``LossScaleOptimizer``. Where collectives may sit in a replica-context
-conditional (no strategy; either strategy in an XLA-compiled step on GPUs
-only), the conditional stays in the replica.
-Either way the sums are replica-local (``synchronization="on_read"``): a
-micro-step that does not update communicates nothing, and an update makes
-one batched all-reduce of the sums, after which the optimizer is told not to
-reduce again (:func:`gradient_accumulator.distribute.gradients_already_reduced`)
-so that clipping sees the global gradient.
+The sums cross the replicas once per update, in one batched all-reduce
+(:func:`gradient_accumulator.distribute.sum_across_replicas_if`); a micro-step
+that does not update communicates nothing.
 """
 
 import contextlib
@@ -37,10 +22,13 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from gradient_accumulator._compat import KerasSaveable
+from gradient_accumulator._compat import KerasSaveable, optimizer_chain
 from gradient_accumulator.distribute import (
+    all_reduce_in_replica,
+    by_replica,
     gradients_already_reduced,
-    supports_collectives_in_conditionals,
+    maximum_of_rows,
+    sum_across_replicas_if,
 )
 
 _context = threading.local()
@@ -128,47 +116,6 @@ def takes_maximum(variable):
     return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
-def _by_replica(value):
-    """``value`` (float32) in this replica's row of zeros, one row per replica.
-
-    The sum over the replicas of these tensors holds every replica's value,
-    exactly (``x + 0 = x``), and its maximum over the first axis is the
-    maximum across replicas: TensorFlow's reductions have a sum and a mean but
-    no maximum, and so a maximum rides in the update's one batched sum. One
-    replica is the case of one row.
-    """
-    context = tf.distribute.get_replica_context()
-    value = ops.cast(ops.convert_to_tensor(value), "float32")
-    row = ops.cast(ops.convert_to_tensor(context.replica_id_in_sync_group), "int32")
-    shape = (context.num_replicas_in_sync, *value.shape)
-    return tf.scatter_nd(ops.reshape(row, (1, 1)), value[None], shape)
-
-
-def _maximum_of_rows(reduced):
-    """The maximum across replicas of a sum of :func:`_by_replica` tensors."""
-    return ops.max(reduced, axis=0)
-
-
-def _all_reduce_in_replica(grads, weights, maximum):
-    """Sums the dense gradients and the weights across replicas, in one batch.
-
-    ``maximum`` flags the gradients that take the maximum across replicas
-    instead (:func:`takes_maximum`), in the same batch (:func:`_by_replica`).
-    """
-    present = [(g, m) for g, m in zip(grads, maximum) if g is not None]
-    dense = [  # IndexedSlices densified
-        _by_replica(g) if m else tf.convert_to_tensor(g) for g, m in present
-    ]
-    reduced = tf.distribute.get_replica_context().all_reduce(
-        tf.distribute.ReduceOp.SUM, [*dense, *weights]
-    )
-    weights = reduced[len(dense) :]
-    reduced = iter(
-        _maximum_of_rows(r) if m else r for r, (_, m) in zip(reduced[: len(dense)], present)
-    )
-    return [None if g is None else next(reduced) for g in grads], weights
-
-
 def _scatter_add_in_place(variable, slices):
     """Adds ``slices`` (``tf.IndexedSlices``) into ``variable``, in place.
 
@@ -185,87 +132,11 @@ def _scatter_add_in_place(variable, slices):
     )
 
 
-def sum_across_replicas_if(condition, values, fn):
-    """If ``condition``: sums ``values`` over the replicas and runs ``fn(*sums)`` in each.
-
-    The one place where the library communicates at an update: all of
-    ``values`` cross the replicas in one batched reduction, and only when
-    ``condition`` holds (a micro-step that does not update communicates
-    nothing). Call it in replica context, in every replica.
-
-    Where collectives may sit in a replica-context conditional (no strategy,
-    or an XLA-compiled step on GPUs only), the conditional stays in the
-    replica (:func:`_sum_if_in_replica`). Elsewhere (``MirroredStrategy``,
-    ``MultiWorkerMirroredStrategy`` on CPUs) it is taken in cross-replica
-    context and re-enters the replicas (:func:`_sum_if_in_cross_replica`),
-    the pattern of Keras's ``LossScaleOptimizer``: ``fn`` may then call
-    ``merge_call`` itself, as Keras optimizers do.
-
-    A Python ``bool`` condition (a micro-step whose place in its group is
-    known when it is traced, as in a function that runs a whole group) needs
-    no conditional: ``True`` reduces and runs ``fn``, ``False`` does nothing.
-
-    Args:
-        condition: Boolean scalar tensor, the same in every replica, or a
-            Python ``bool``.
-        values: List of float tensors or replica-local variables (this
-            replica's values).
-        fn: Callable taking one reduced tensor per entry of ``values``.
-    """
-    in_replica = supports_collectives_in_conditionals()
-    if isinstance(condition, bool):
-        if condition:
-            (_sum_in_replica if in_replica else _sum_in_cross_replica)(values, fn)
-        return
-    if in_replica:
-        _sum_if_in_replica(condition, values, fn)
-    else:
-        _sum_if_in_cross_replica(condition, values, fn)
-
-
-def _sum_in_replica(values, fn):
-    # Identities: inside a conditional, the batch must come from one graph,
-    # the branch's (variables are read there; tensors may come from outside).
-    sums = [tf.identity(v) for v in values]
-    if sums:
-        sums = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, sums)
-    fn(*sums)
-
-
-def _sum_if_in_replica(condition, values, fn):
-    tf.cond(condition, lambda: _sum_in_replica(values, fn), lambda: None)
-
-
-def _reduce_then_run(strategy, values, fn):
-    """Cross-replica context: ``values`` summed onto their devices in one batch, then ``fn``."""
-    pairs = [(value, value) for value in values]
-    sums = []
-    if pairs:
-        sums = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)
-    strategy.extended.call_for_each_replica(fn, args=tuple(sums))
-
-
-def _sum_in_cross_replica(values, fn):
-    tf.distribute.get_replica_context().merge_call(
-        lambda strategy, *values: _reduce_then_run(strategy, values, fn), args=tuple(values)
-    )
-
-
-def _sum_if_in_cross_replica(condition, values, fn):
-    def decide(strategy, condition, *values):
-        decision = strategy.experimental_local_results(condition)[0]
-        tf.cond(decision, lambda: _reduce_then_run(strategy, values, fn), lambda: None)
-
-    tf.distribute.get_replica_context().merge_call(decide, args=(condition, *values))
-
-
 def _has_loss_scale(optimizer):
     """Whether a ``LossScaleOptimizer`` (it skips non-finite updates) is in the chain."""
-    while optimizer is not None:
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            return True
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    return False
+    return any(
+        isinstance(opt, keras.optimizers.LossScaleOptimizer) for opt in optimizer_chain(optimizer)
+    )
 
 
 class MicroStep:
@@ -439,13 +310,14 @@ class _UpdatePlan:
     def values_to_reduce(self):
         """What crosses the replicas at the update, in one batch (call in replica context).
 
-        A sum of maxima enters as :func:`_by_replica` rows, so that the one
-        batched sum carries every replica's maximum.
+        A sum of maxima enters as
+        :func:`~gradient_accumulator.distribute.by_replica` rows, so that the
+        one batched sum carries every replica's maximum.
         """
         statistics = [value for value, _ in self.statistics]
         if self.reduced_every_micro_step:
             return statistics
-        sums = [_by_replica(acc) if self.takes_maximum[i] else acc for i, _, acc in self.slots]
+        sums = [by_replica(acc) if self.takes_maximum[i] else acc for i, _, acc in self.slots]
         return [*sums, *self.weight_sums, *statistics]
 
     def split(self, reduced):
@@ -457,7 +329,7 @@ class _UpdatePlan:
         count = len(self.slots) + len(self.weight_sums)
         reduced = list(reduced)
         sums = [
-            _maximum_of_rows(total) if self.takes_maximum[i] else total
+            maximum_of_rows(total) if self.takes_maximum[i] else total
             for (i, _, _), total in zip(self.slots, reduced[: len(self.slots)])
         ]
         return sums, reduced[len(self.slots) : count], reduced[count:]
@@ -906,7 +778,7 @@ class GradientAccumulator(tf.Module):
         slots = self._slots()
         maximum = [self._takes_maximum[i] for i, _, _ in slots]
         if self._reduce_every_micro_step:
-            slot_grads, weights = _all_reduce_in_replica(slot_grads, weights, maximum)
+            slot_grads, weights = all_reduce_in_replica(slot_grads, weights, maximum)
         # Read only where a sum keeps a maximum (float8 state).
         is_first = ops.equal(self.micro_step, 0) if any(maximum) else None
         adds = [

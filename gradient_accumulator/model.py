@@ -19,7 +19,8 @@ from gradient_accumulator._compat import (
     sublayers,
 )
 from gradient_accumulator.agc import adaptive_clip_gradients, check_agc_arguments
-from gradient_accumulator.distribute import AverageBatchNormStatistics, logs_for_keras
+from gradient_accumulator.batchnorm_averaging import AverageBatchNormStatistics
+from gradient_accumulator.distribute import logs_for_keras
 from gradient_accumulator.engine import GradientAccumulator, StateEntry, update_step_scope
 from gradient_accumulator.optimizer import check_optimizer_does_not_accumulate
 from gradient_accumulator.validation import (

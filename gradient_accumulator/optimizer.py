@@ -12,6 +12,7 @@ from gradient_accumulator._compat import (
     check_optimizer_knows,
     loss_scale_optimizer_applying,
     loss_scale_optimizer_building,
+    optimizer_chain,
     optimizer_variable_index,
     optimizer_variables_in_build_order,
     set_optimizer_own_iterations,
@@ -91,13 +92,6 @@ def _variable_name(variable):
     return getattr(variable, "path", variable.name)
 
 
-def _innermost(optimizer):
-    """The optimizer at the end of ``optimizer``'s chain of ``inner_optimizer``."""
-    while getattr(optimizer, "inner_optimizer", None) is not None:
-        optimizer = optimizer.inner_optimizer
-    return optimizer
-
-
 def _refuse_double_loss_scale(received):
     raise ValueError(
         "This `GradientAccumulateOptimizer` wraps a `LossScaleOptimizer` and is "
@@ -115,8 +109,8 @@ def check_optimizer_does_not_accumulate(optimizer, accum_steps, owner):
     The one check for it, used by ``GradientAccumulateModel.compile`` and by
     ``GradientAccumulateOptimizer``: a second accumulation (Keras's own
     ``gradient_accumulation_steps``, or a ``GradientAccumulateOptimizer``)
-    would silently multiply the effective batch. ``LossScaleOptimizer`` is
-    looked through.
+    would silently multiply the effective batch. The whole chain of
+    ``inner_optimizer`` is looked through (``LossScaleOptimizer``).
 
     Args:
         optimizer: The Keras optimizer about to be used.
@@ -125,8 +119,7 @@ def check_optimizer_does_not_accumulate(optimizer, accum_steps, owner):
             which decides what the message tells the user to do.
     """
     in_model = owner == "GradientAccumulateModel"
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    for opt in (optimizer, inner):
+    for opt in optimizer_chain(optimizer):
         if isinstance(opt, GradientAccumulateOptimizer):
             fix = (
                 "compile with `optimizer.inner_optimizer` and keep `accum_steps` on the model"
@@ -572,7 +565,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     @property
     def iterations(self):
         """The innermost optimizer's ``iterations``, which counts updates."""
-        return _innermost(self.inner_optimizer).iterations
+        return optimizer_chain(self.inner_optimizer)[-1].iterations
 
     @iterations.setter
     def iterations(self, value):

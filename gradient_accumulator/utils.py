@@ -6,7 +6,7 @@ import warnings
 import keras
 import numpy as np
 
-from gradient_accumulator._compat import Functional, sublayers
+from gradient_accumulator._compat import Functional, optimizer_chain, sublayers
 from gradient_accumulator.layers import AccumBatchNormalization
 from gradient_accumulator.model import GradientAccumulateModel
 from gradient_accumulator.optimizer import GradientAccumulateOptimizer
@@ -522,12 +522,8 @@ def _pending_group(model):
 
 def _accumulating_optimizer(model):
     """The ``GradientAccumulateOptimizer`` in ``model.optimizer``'s chain, or ``None``."""
-    optimizer = getattr(model, "optimizer", None)
-    while optimizer is not None:
-        if isinstance(optimizer, GradientAccumulateOptimizer):
-            return optimizer
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    return None
+    chain = optimizer_chain(getattr(model, "optimizer", None))
+    return next((o for o in chain if isinstance(o, GradientAccumulateOptimizer)), None)
 
 
 def _plain_compile_config(model):

@@ -1,7 +1,7 @@
 """Cross-replica reductions counted as they run, under MirroredStrategy (2 logical CPUs).
 
 Run: ``python -m tests.scripts.mirrored_counted``. The strategy's reductions
-go through ``gradient_accumulator.distribute.CountingCrossDeviceOps``. Each
+go through ``benchmarks._counting.CountingCrossDeviceOps``. Each
 configuration trains one traced epoch, then a counted one: 64 samples at the
 global micro-batch 16 (8 per replica), 4 micro-steps:
 
@@ -23,8 +23,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from benchmarks._counting import CountingCrossDeviceOps
 from gradient_accumulator import GradientAccumulateModel
-from gradient_accumulator.distribute import CountingCrossDeviceOps
 from tests.helpers import (
     build_dense,
     build_embedding,

@@ -1,7 +1,7 @@
 """Float8 layers under MirroredStrategy (2 logical CPUs) against one device's big batch.
 
 Run: ``python -m tests.scripts.mirrored_float8``. The strategy's reductions go
-through ``gradient_accumulator.distribute.CountingCrossDeviceOps``. Every
+through ``benchmarks._counting.CountingCrossDeviceOps``. Every
 configuration trains the float8 MLP of ``tests.helpers.build_float8`` for one
 epoch of 96 samples at the global micro-batch 8 (4 per replica), 4
 micro-steps per update (3 updates), on inputs whose rows' magnitudes differ
@@ -22,8 +22,8 @@ initial weights and data order. Prints one results line (see
 import keras
 import tensorflow as tf
 
+from benchmarks._counting import CountingCrossDeviceOps
 from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOptimizer
-from gradient_accumulator.distribute import CountingCrossDeviceOps
 from tests.helpers import build_float8, float8_differences, make_float8_data
 from tests.scripts import (
     ACCUM_STEPS,
