@@ -4,43 +4,14 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from gradient_accumulator.validation import check_bool, check_positive_float
+# gradient_accumulator 0.5's names, importable from here as before.
+from gradient_accumulator._v05 import adaptive_clip_grad, compute_norm, unitwise_norm  # noqa: F401
+from gradient_accumulator.validation import DEFAULT_CLIP_FACTOR, DEFAULT_EPS, check_positive_float
 
 # Floor under a gradient norm before dividing by it. Only reached when the
 # gradient is (nearly) zero, where the clipping branch is not taken anyway;
 # it keeps the unused branch of `ops.where` free of inf/NaN.
 _NORM_FLOOR = 1e-12
-
-
-# The defaults of `clip_factor` and `eps` everywhere (NFNets' values).
-DEFAULT_CLIP_FACTOR = 0.01
-DEFAULT_EPS = 1e-3
-
-
-def check_agc_arguments(use_agc, clip_factor, eps):
-    """Validates the AGC arguments of a wrapper; returns them normalised.
-
-    ``clip_factor`` and ``eps`` only act with ``use_agc=True``: a value other
-    than the default without it (AGC believed on while it is off) is refused.
-
-    Returns:
-        ``(use_agc, clip_factor, eps)`` as ``(bool, float, float)``.
-    """
-    use_agc = check_bool("use_agc", use_agc)
-    clip_factor = check_positive_float("clip_factor", clip_factor)
-    eps = check_positive_float("eps", eps)
-    if not use_agc:
-        for name, value, default in (
-            ("clip_factor", clip_factor, DEFAULT_CLIP_FACTOR),
-            ("eps", eps, DEFAULT_EPS),
-        ):
-            if value != default:
-                raise ValueError(
-                    f"`{name}` only acts with `use_agc=True` (adaptive gradient "
-                    f"clipping); pass `use_agc=True` too, or leave `{name}` out. "
-                    f"Received: {name}={value!r}, use_agc=False"
-                )
-    return use_agc, clip_factor, eps
 
 
 def _unit_axes(rank):
@@ -165,41 +136,3 @@ def _check_not_swapped(grads):
             "gradient_accumulator 0.5's `adaptive_clip_grad(parameters, gradients)`. "
             f"Received: grads=[{swapped[0].name!r}, ...] ({len(swapped)} variables)"
         )
-
-
-def _removed_in_this_release(name, instead):
-    """A function of gradient_accumulator 0.5 that now raises, saying what to use."""
-
-    def removed(*args, **kwargs):
-        raise ValueError(
-            f"`{name}` of gradient_accumulator 0.5 is gone: {instead} "
-            f"Received: {name}(...) with {len(args)} positional and "
-            f"{len(kwargs)} keyword argument(s)"
-        )
-
-    removed.__name__ = name
-    removed.__doc__ = f"Removed: raises a ValueError saying {instead}"
-    return removed
-
-
-# The 0.5 names, importable as before (`gradient_accumulator.agc.X` and
-# `gradient_accumulator.X`), each raising with the way to do it now. Not
-# aliases: 0.5's argument order was the reverse, and its norm of rank-3
-# tensors ran over axis 0 only (1.0: all axes but the last).
-adaptive_clip_grad = _removed_in_this_release(
-    "adaptive_clip_grad",
-    "use `adaptive_clip_gradients(grads, variables, clip_factor, eps)` (note the "
-    "reversed argument order; rank-3 kernels such as Conv1D's are clipped per "
-    "output channel), or `use_agc=True` on GradientAccumulateModel / "
-    "GradientAccumulateOptimizer, which clip the accumulated gradient.",
-)
-unitwise_norm = _removed_in_this_release(
-    "unitwise_norm",
-    "`adaptive_clip_gradients` computes unit norms itself (over all axes but the "
-    "last; 0.5 used axis 0 only for rank-3 tensors). For a norm of your own, use "
-    "`keras.ops.norm`.",
-)
-compute_norm = _removed_in_this_release(
-    "compute_norm",
-    "use `keras.ops.sqrt(keras.ops.sum(keras.ops.square(x), axis=axis, keepdims=keepdims))`.",
-)

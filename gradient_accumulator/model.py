@@ -18,13 +18,15 @@ from gradient_accumulator._compat import (
     reduce_replica_logs,
     sublayers,
 )
-from gradient_accumulator.agc import adaptive_clip_gradients, check_agc_arguments
+from gradient_accumulator._v05 import REMOVED_MODEL_ARGUMENTS
+from gradient_accumulator.agc import adaptive_clip_gradients
 from gradient_accumulator.batchnorm_averaging import AverageBatchNormStatistics
 from gradient_accumulator.distribute import logs_for_keras
 from gradient_accumulator.engine import GradientAccumulator, StateEntry, update_step_scope
 from gradient_accumulator.optimizer import check_optimizer_does_not_accumulate
 from gradient_accumulator.validation import (
     check_accum_steps,
+    check_agc_arguments,
     check_bool,
     check_keyword_arguments,
 )
@@ -56,30 +58,6 @@ _KERAS_ARGUMENTS = {"inputs", "outputs", "name", "trainable"} | {
     name
     for name, parameter in inspect.signature(keras.layers.Layer.__init__).parameters.items()
     if parameter.kind is inspect.Parameter.KEYWORD_ONLY
-}
-
-
-def _mixed_precision_advice(value):
-    if value is False:
-        return (
-            "delete the argument: `False` was gradient_accumulator 0.5's default, and "
-            "the dtype policy now decides (float32 unless one is set)."
-        )
-    return (
-        "set the dtype policy before building the model, "
-        "`keras.mixed_precision.set_global_policy('mixed_float16')`; `compile()` then "
-        "wraps the optimizer in a `LossScaleOptimizer` by itself (an argument of "
-        "gradient_accumulator 0.5)."
-    )
-
-
-# Arguments of gradient_accumulator 0.5 (and a slip of its README) that this
-# wrapper no longer takes, with what to do instead.
-_REMOVED_ARGUMENTS = {
-    "agc": "enable adaptive gradient clipping with `use_agc=True` (and `clip_factor`, `eps`).",
-    "mixed_precision": _mixed_precision_advice,
-    "experimental_distributed_support": "distribution needs no flag: create and "
-    "compile the model inside `strategy.scope()` (an argument of gradient_accumulator 0.5).",
 }
 
 
@@ -321,7 +299,7 @@ class GradientAccumulateModel(keras.Model):
             "GradientAccumulateModel",
             {k: v for k, v in kwargs.items() if k not in _KERAS_ARGUMENTS},
             set(_WRAPPER_ARGUMENTS) | _KERAS_ARGUMENTS,
-            _REMOVED_ARGUMENTS,
+            REMOVED_MODEL_ARGUMENTS,
         )
         self.accum_steps = check_accum_steps(accum_steps)
         self.reduce_every_micro_step = check_bool(

@@ -18,10 +18,12 @@ from gradient_accumulator._compat import (
     set_optimizer_own_iterations,
     stand_in_for_loss_scale_optimizer,
 )
-from gradient_accumulator.agc import adaptive_clip_gradients, check_agc_arguments
+from gradient_accumulator._v05 import REMOVED_OPTIMIZER_ARGUMENTS
+from gradient_accumulator.agc import adaptive_clip_gradients
 from gradient_accumulator.engine import GradientAccumulator, without_state
 from gradient_accumulator.validation import (
     check_accum_steps,
+    check_agc_arguments,
     check_bool,
     check_keyword_arguments,
 )
@@ -169,14 +171,8 @@ _REFUSED_ARGUMENTS = {
         "accum_steps=k)`."
         for name in _INNER_ARGUMENTS
     },
-    "lr": "set `learning_rate` on the inner optimizer, e.g. "
-    "`GradientAccumulateOptimizer(keras.optimizers.SGD(learning_rate=...), accum_steps=k)`.",
-    "decay": "Keras 3 optimizers have no `decay`; give the inner optimizer a "
-    "learning-rate schedule, e.g. `keras.optimizers.schedules.InverseTimeDecay`.",
     "gradient_accumulation_steps": "pass `accum_steps` instead.",
-    "reduction": "micro-batch gradients are always averaged, so that an update "
-    "equals one step on the concatenated batch (in gradient_accumulator 0.5 "
-    "the argument had no effect). Remove the argument.",
+    **REMOVED_OPTIMIZER_ARGUMENTS,
 }
 _OWN_ARGUMENTS = (
     "optimizer",

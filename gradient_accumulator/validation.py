@@ -87,3 +87,34 @@ def check_keyword_arguments(owner, kwargs, accepted, removed=None):
             f"`{owner}` does not take an argument `{name}`. {hint}Its arguments are: "
             f"{', '.join(sorted(accepted))}. Received: {name}={value!r}"
         )
+
+
+# The defaults of `clip_factor` and `eps` everywhere (NFNets' values).
+DEFAULT_CLIP_FACTOR = 0.01
+DEFAULT_EPS = 1e-3
+
+
+def check_agc_arguments(use_agc, clip_factor, eps):
+    """Validates the AGC arguments of a wrapper; returns them normalised.
+
+    ``clip_factor`` and ``eps`` only act with ``use_agc=True``: a value other
+    than the default without it (AGC believed on while it is off) is refused.
+
+    Returns:
+        ``(use_agc, clip_factor, eps)`` as ``(bool, float, float)``.
+    """
+    use_agc = check_bool("use_agc", use_agc)
+    clip_factor = check_positive_float("clip_factor", clip_factor)
+    eps = check_positive_float("eps", eps)
+    if not use_agc:
+        for name, value, default in (
+            ("clip_factor", clip_factor, DEFAULT_CLIP_FACTOR),
+            ("eps", eps, DEFAULT_EPS),
+        ):
+            if value != default:
+                raise ValueError(
+                    f"`{name}` only acts with `use_agc=True` (adaptive gradient "
+                    f"clipping); pass `use_agc=True` too, or leave `{name}` out. "
+                    f"Received: {name}={value!r}, use_agc=False"
+                )
+    return use_agc, clip_factor, eps
