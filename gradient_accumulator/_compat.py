@@ -308,11 +308,7 @@ def compute_training_loss(model, x, y, y_pred, sample_weight):
     kwargs = dict(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
     if "training" in inspect.signature(model.compute_loss).parameters:
         kwargs["training"] = True
-    loss = model.compute_loss(**kwargs)
-    replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    if keras_version() < (3, 8) and replicas > 1:
-        loss = loss / replicas
-    return loss
+    return model.compute_loss(**kwargs) / replicas_dividing_the_training_loss()
 
 
 def reduce_replica_logs(logs, strategy):
@@ -327,7 +323,102 @@ def reduce_replica_logs(logs, strategy):
     return reduce_per_replica(logs, strategy, reduction="auto")
 
 
+# ----------------------------------------------------------------------------
+# What differs between the supported Keras versions
+# ----------------------------------------------------------------------------
+
+
 def keras_version():
     """The installed Keras version as ``(major, minor)``."""
     major, minor = keras.__version__.split(".")[:2]
     return int(major), int(minor)
+
+
+def builds_before_first_trace():
+    """Whether Keras builds a model's metrics and optimizer from a batch before tracing.
+
+    Keras 3.5 added ``Model._maybe_symbolic_build`` for it (the model
+    wrapper overrides it, see ``OVERRIDDEN_MODEL_HOOKS``); before, the
+    compiled metrics are built inside the first traced step.
+    """
+    return keras_version() >= (3, 5)
+
+
+def functional_from_config_keeps_arguments():
+    """Whether Keras's functional ``from_config`` passes a subclass its other arguments.
+
+    Keras < 3.7 rebuilds a functional model from its graph alone and drops
+    the constructor's other arguments (see :func:`functional_from_config`).
+    """
+    return keras_version() >= (3, 7)
+
+
+def replicas_dividing_the_training_loss():
+    """What :func:`compute_training_loss` divides the loss by: the replicas in sync, or 1.
+
+    Keras 3.8 made the loss the replica's share of the global loss; before,
+    it is the replica's own mean, and :func:`compute_training_loss` divides
+    it here.
+    """
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    return float(replicas) if keras_version() < (3, 8) and replicas > 1 else 1.0
+
+
+def build_compiled_metrics_outside_trace(model, y, y_pred):
+    """Builds the compiled metrics of Keras < 3.5 outside the traced step.
+
+    Keras < 3.5 builds them in the first traced step (a private attribute,
+    ``_compile_metrics``). Variables created there put the whole step
+    inside TensorFlow's lazy-initialization conditional, where the update's
+    ``merge_call`` fails under tf.distribute: they are created in
+    ``tf.init_scope()`` instead. Does nothing on later versions.
+    """
+    compiled_metrics = getattr(model, "_compile_metrics", None)
+    if builds_before_first_trace() or compiled_metrics is None or compiled_metrics.built:
+        return
+    with tf.init_scope():
+        compiled_metrics.build(y, y_pred)
+
+
+def first_batch(iterator):
+    """The first batch of a Keras epoch iterator (its private stepping; 3.5 to newest).
+
+    Keras 3.5 and 3.6 step through an epoch only with ``enumerate_epoch()``;
+    from 3.11 its tuples hold a step range before the batches.
+    """
+    for *_, batches in iterator.enumerate_epoch():
+        return next(iter(batches))
+    return None
+
+
+def batchnorm_reduction_axes(layer):
+    """The axes a built Keras ``BatchNormalization`` reduces over (its ``_reduction_axes``)."""
+    return layer._reduction_axes
+
+
+def scatter_add_in_place(variable, slices):
+    """Adds ``slices`` (``tf.IndexedSlices``) into ``variable``, in place.
+
+    Duplicate indices are summed. ``variable.scatter_add`` refuses replica-local
+    (``ON_READ``) variables under a strategy, although each replica writes only
+    its own copy; in replica context ``variable.handle`` is that copy, and the
+    scatter is TensorFlow's own in-place op on it (without a strategy, the
+    variable itself).
+    """
+    return tf.raw_ops.ResourceScatterAdd(
+        resource=variable.handle,
+        indices=slices.indices,
+        updates=tf.cast(slices.values, variable.dtype),
+    )
+
+
+def replace_optimizer_all_reduce(optimizer, replacement):
+    """Makes ``optimizer``'s own all-reduce of gradients ``replacement`` (``None``: Keras's again).
+
+    See :data:`OPTIMIZER_ALL_REDUCE_METHOD`; the instance attribute shadows
+    the class's method.
+    """
+    if replacement is None:
+        vars(optimizer).pop(OPTIMIZER_ALL_REDUCE_METHOD, None)
+    else:
+        vars(optimizer)[OPTIMIZER_ALL_REDUCE_METHOD] = replacement

@@ -25,9 +25,9 @@ import tensorflow as tf
 from keras import ops
 
 from gradient_accumulator._compat import (
-    OPTIMIZER_ALL_REDUCE_METHOD,
     in_multi_worker_mode,
     optimizer_chain,
+    replace_optimizer_all_reduce,
     strategy_supports_no_merge_call,
 )
 
@@ -65,7 +65,7 @@ def gradients_already_reduced(optimizer):
     with _patch_lock:
         for opt in chain:
             if _patch_depth.get(id(opt), 0) == 0:
-                vars(opt)[OPTIMIZER_ALL_REDUCE_METHOD] = _identity
+                replace_optimizer_all_reduce(opt, _identity)
             _patch_depth[id(opt)] = _patch_depth.get(id(opt), 0) + 1
     try:
         yield
@@ -75,7 +75,7 @@ def gradients_already_reduced(optimizer):
                 _patch_depth[id(opt)] -= 1
                 if _patch_depth[id(opt)] == 0:
                     del _patch_depth[id(opt)]
-                    vars(opt).pop(OPTIMIZER_ALL_REDUCE_METHOD, None)
+                    replace_optimizer_all_reduce(opt, None)
 
 
 def supports_collectives_in_conditionals():

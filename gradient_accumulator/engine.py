@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from gradient_accumulator._compat import KerasSaveable, optimizer_chain
+from gradient_accumulator._compat import KerasSaveable, optimizer_chain, scatter_add_in_place
 from gradient_accumulator.distribute import (
     all_reduce_in_replica,
     by_replica,
@@ -116,22 +116,6 @@ def takes_maximum(variable):
     return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
-def _scatter_add_in_place(variable, slices):
-    """Adds ``slices`` (``tf.IndexedSlices``) into ``variable``, in place.
-
-    Duplicate indices are summed. ``variable.scatter_add`` refuses replica-local
-    (``ON_READ``) variables under a strategy, although each replica writes only
-    its own copy; in replica context ``variable.handle`` is that copy, and the
-    scatter is TensorFlow's own in-place op on it (without a strategy, the
-    variable itself).
-    """
-    return tf.raw_ops.ResourceScatterAdd(
-        resource=variable.handle,
-        indices=slices.indices,
-        updates=ops.cast(slices.values, variable.dtype),
-    )
-
-
 def _has_loss_scale(optimizer):
     """Whether a ``LossScaleOptimizer`` (it skips non-finite updates) is in the chain."""
     return any(
@@ -178,7 +162,7 @@ def _maximum_in_place(acc, grad, is_first):
 
 def _add_in_place(acc, grad):
     if isinstance(grad, tf.IndexedSlices):
-        return _scatter_add_in_place(acc, grad)
+        return scatter_add_in_place(acc, grad)
     # The TensorFlow variable's own assign_add adds in place (Keras's
     # `Variable.assign_add` is `assign(self + value)`, which allocates a new
     # sum every micro-step).

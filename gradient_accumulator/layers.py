@@ -7,7 +7,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from gradient_accumulator._compat import batchnorm_takes
+from gradient_accumulator._compat import batchnorm_reduction_axes, batchnorm_takes
 from gradient_accumulator._moments import (
     batch_moments,
     merge_moments,
@@ -521,7 +521,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         strategy; then ``mean`` is a common origin and ``residual`` the
         offset of the global mean from it.
         """
-        count, mean, residual, m2 = batch_moments(x, self._reduction_axes, mask)
+        count, mean, residual, m2 = batch_moments(x, batchnorm_reduction_axes(self), mask)
         replica_context = tf.distribute.get_replica_context()
         if (
             self.synchronized

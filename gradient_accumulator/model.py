@@ -9,10 +9,13 @@ import tensorflow as tf
 from keras import ops
 
 from gradient_accumulator._compat import (
+    build_compiled_metrics_outside_trace,
+    builds_before_first_trace,
     compute_training_loss,
     creation_strategy,
+    first_batch,
     functional_from_config,
-    keras_version,
+    functional_from_config_keeps_arguments,
     loss_tracker,
     recorded_loss_reductions,
     reduce_replica_logs,
@@ -337,7 +340,7 @@ class GradientAccumulateModel(keras.Model):
     def from_config(cls, config, custom_objects=None):
         functional = all(k in config for k in ("name", "layers", "input_layers", "output_layers"))
         if (
-            keras_version() >= (3, 7)
+            functional_from_config_keeps_arguments()
             or not functional
             or cls.__init__ is not GradientAccumulateModel.__init__
         ):
@@ -449,14 +452,7 @@ class GradientAccumulateModel(keras.Model):
                 variables,
                 statistics,
             )
-        compiled_metrics = getattr(self, "_compile_metrics", None)
-        if keras_version() < (3, 5) and compiled_metrics is not None and not compiled_metrics.built:
-            # Keras < 3.5 builds the compiled metrics in the first traced
-            # step. Variables created there put the whole step inside
-            # TensorFlow's lazy-initialization conditional, where the update's
-            # merge_call fails under tf.distribute: they are created outside.
-            with tf.init_scope():
-                compiled_metrics.build(y, y_pred)
+        build_compiled_metrics_outside_trace(self, y, y_pred)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return logs_for_keras(logs, self.distribute_strategy)
 
@@ -475,7 +471,7 @@ class GradientAccumulateModel(keras.Model):
 
     def fit(self, *args, **kwargs):
         bound = inspect.signature(super().fit).bind(*args, **kwargs)
-        if keras_version() < (3, 5) and self._needs_class_discovery():
+        if not builds_before_first_trace() and self._needs_class_discovery():
             # Keras < 3.5 has no build hook with a batch before the first
             # trace (`_maybe_symbolic_build`): the batch's spec comes from
             # fit's own arguments (arrays or a tf.data.Dataset).
@@ -517,20 +513,18 @@ class GradientAccumulateModel(keras.Model):
         # issue 20585). One replica's shard has the shapes the build needs.
         strategy = creation_strategy(self)
         if iterator is not None and strategy is not None:
-            # Keras 3.5 and 3.6 step through an epoch only with
-            # `enumerate_epoch()`; from 3.11 its tuples hold a step range.
-            for *_, batches in iterator.enumerate_epoch():
+            batch = first_batch(iterator)
+            if batch is not None:
                 data_batch = keras.tree.map_structure(
-                    functools.partial(_first_replica, strategy), next(batches)
+                    functools.partial(_first_replica, strategy), batch
                 )
-                break
             iterator = None
         if iterator is not None and data_batch is None and self._needs_class_discovery():
             # No strategy: Keras builds in the first trace; the class
             # discovery needs a batch now (fit resets the iterator after).
-            for *_, batches in iterator.enumerate_epoch():
-                data_batch = next(batches)
-                break
+            batch = first_batch(iterator)
+            if batch is not None:
+                data_batch = batch
             iterator = None
         result = super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
         if data_batch is not None and self._needs_class_discovery():

@@ -37,7 +37,7 @@ from keras import ops
 from gradient_accumulator._compat import (
     keras_apply_mask,
     keras_squeeze_or_expand_to_same_rank,
-    keras_version,
+    replicas_dividing_the_training_loss,
 )
 
 SAMPLES = "samples"
@@ -247,8 +247,7 @@ def _sum_scale():
     Keras < 3.8 does not divide by the replicas; `compute_training_loss`
     divided the whole loss, which a sum (summed over replicas) must undo.
     """
-    replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    return float(replicas) if keras_version() < (3, 8) and replicas > 1 else 1.0
+    return replicas_dividing_the_training_loss()
 
 
 def weight_only_loss_count(model):

@@ -129,11 +129,50 @@ def test_all_reduce_method_is_what_apply_calls():
         calls.append(len(grads_and_vars))
         return grads_and_vars
 
-    vars(optimizer)[_compat.OPTIMIZER_ALL_REDUCE_METHOD] = record
+    _compat.replace_optimizer_all_reduce(optimizer, record)
     optimizer.apply([tf.ones((2,))], [variable])
     assert calls == [1], _changed(
         f"Optimizer.{_compat.OPTIMIZER_ALL_REDUCE_METHOD}", "`apply` no longer calls it"
     )
+    _compat.replace_optimizer_all_reduce(optimizer, None)
+    optimizer.apply([tf.ones((2,))], [variable])
+    assert calls == [1]  # Keras's own again
+
+
+def test_batchnorm_reduction_axes_are_every_axis_but_the_channels():
+    layer = keras.layers.BatchNormalization(axis=1)
+    layer.build((2, 3, 4, 5))
+    assert list(_compat.batchnorm_reduction_axes(layer)) == [0, 2, 3], _changed(
+        "BatchNormalization._reduction_axes", "it no longer lists the reduced axes"
+    )
+
+
+@pytest.mark.skipif(not _compat.builds_before_first_trace(), reason="Keras < 3.5: not used")
+def test_first_batch_of_the_epoch_iterator_fit_makes():
+    from keras.src.backend.tensorflow.trainer import TFEpochIterator
+
+    x = np.arange(12, dtype="float32").reshape(6, 2)
+    iterator = TFEpochIterator(
+        x=x, batch_size=4, shuffle=False, distribute_strategy=tf.distribute.get_strategy()
+    )
+    batch = _compat.first_batch(iterator)
+    np.testing.assert_array_equal(np.asarray(keras.tree.flatten(batch)[0]), x[:4])
+
+
+def test_scatter_add_in_place_sums_duplicate_rows_into_the_variable():
+    variable = tf.Variable(np.zeros((3, 2), "float32"))
+    slices = tf.IndexedSlices(tf.ones((3, 2)), tf.constant([0, 2, 0]), tf.constant([3, 2]))
+    _compat.scatter_add_in_place(variable, slices)
+    np.testing.assert_array_equal(variable.numpy(), [[2, 2], [0, 0], [1, 1]])
+
+
+@pytest.mark.skipif(_compat.builds_before_first_trace(), reason="Keras >= 3.5")
+def test_compiled_metrics_of_old_keras_are_built_outside_the_trace():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse", metrics=["mae"])
+    assert not model._compile_metrics.built
+    _compat.build_compiled_metrics_outside_trace(model, tf.zeros((1, 1)), tf.zeros((1, 1)))
+    assert model._compile_metrics.built, _changed("Model._compile_metrics", "it did not build")
 
 
 def test_tensorflow_internals():
