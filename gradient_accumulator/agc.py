@@ -67,9 +67,7 @@ def adaptive_clip_gradients(grads, variables, clip_factor=DEFAULT_CLIP_FACTOR, e
     The NFNets paper does not clip the final classifier layer; pass only the
     ``(grads, variables)`` pairs you want clipped to reproduce that.
 
-    The argument order is the reverse of gradient_accumulator 0.5's
-    ``adaptive_clip_grad(parameters, gradients)``; variables passed as
-    ``grads`` are refused.
+    Variables passed as ``grads`` (the reverse order) are refused.
 
     Args:
         grads: List of gradient tensors (``None`` entries are passed through;

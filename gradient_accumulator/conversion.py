@@ -352,89 +352,38 @@ def replace_batchnorm_layers(
 ) -> keras.Model:
     """Returns a copy of ``model`` whose BatchNormalization layers accumulate.
 
-    Rebuilds ``model`` with ``keras.models.clone_model`` and replaces every
-    ``keras.layers.BatchNormalization`` (subclasses included, inside nested
-    Functional and Sequential models at any depth) by an
-    :class:`~gradient_accumulator.layers.AccumBatchNormalization` with the
-    same configuration (``axis``, ``momentum``, ``epsilon``, ``center``,
-    ``scale``, initializers, regularizers, constraints, ``trainable``,
-    ``name``, dtype policy) and the same ``gamma``, ``beta``,
-    ``moving_mean`` and ``moving_variance``. Every other layer is a fresh
-    copy (from its config) with the original's weights. The graph is the
-    original's: the same connections and call arguments, shared layers
-    shared (at any depth), the same input layers (names, shapes, dtypes) and
-    outputs (structure: list or dict, names), the same ``trainable`` flag on
-    every layer and model. Hence the new
-    model's inference output equals the original's, and it can be trained
-    with :class:`~gradient_accumulator.GradientAccumulateModel` so that the
-    moving statistics are those of the accumulated batch, updated once per
-    update.
-
-    What the new layers add: with ``accum_steps > 1`` each one has five
-    non-trainable variables of accumulation state (``pending_count``,
-    ``pending_shift``, ``pending_mean_offset``, ``pending_m2`` of shape
-    ``(channels,)`` and the scalar ``micro_step``; see
-    ``AccumBatchNormalization``), created empty. So ``len(new.weights) ==
-    len(model.weights) + 5 * n`` for ``n`` replaced Keras BatchNormalization
-    layers, and ``new.count_params()`` grows by ``4 * channels + 1`` per
-    layer; ``get_weights()`` lists each layer's state after its four Keras
-    weights. With ``accum_steps=1`` nothing is added: the new layers behave
-    as Keras BatchNormalization.
-
-    ``model`` itself is not modified. A ``GradientAccumulateModel`` comes back
-    as one, with every argument of its own (``wrapper_config()``); its
-    ``accum_steps`` must equal ``accum_steps``. A compiled model comes back
-    compiled with the same compile configuration (a fresh optimizer:
-    optimizer state is not copied). Other
-    subclasses of Functional or Sequential models are rebuilt by Keras's
-    ``clone_model``, which gives their class's constructor only inputs,
-    outputs and name (or makes them plain ``Sequential``), with a warning.
-
-    Warns (``UserWarning``) instead of acting silently when the model has no
-    BatchNormalization (the copy is then equivalent), when layers already
-    were ``AccumBatchNormalization`` (their ``accum_steps`` is set to the new
-    value and their accumulation state emptied, so calling this twice gives
-    the same model), when ``synchronized=False`` turns off a layer's own
-    ``synchronized=True``, when a subclass's extra arguments are dropped,
-    and when the model is a subclass Keras rebuilds with default arguments.
+    Rebuilds ``model`` (``keras.models.clone_model``) with every
+    ``keras.layers.BatchNormalization``, at any depth of nested Functional and
+    Sequential models, replaced by an
+    :class:`~gradient_accumulator.AccumBatchNormalization` of the same
+    configuration and weights; every other layer is a fresh copy with the
+    original's weights, in the original's graph (connections, shared layers,
+    inputs, outputs, ``trainable`` flags). So inference outputs are equal,
+    and the copy trains with
+    :class:`~gradient_accumulator.GradientAccumulateModel` with its moving
+    statistics those of the accumulated batch. With ``accum_steps > 1`` each
+    new layer adds five non-trainable state variables, created empty.
+    ``model`` is not modified; a ``GradientAccumulateModel`` comes back as
+    one, and a compiled model compiled alike (with a fresh optimizer). What
+    is kept, refused and warned about, case by case: :doc:`/guides/batchnorm`.
 
     Args:
         model: A Keras Functional or Sequential model (nested models
-            included). Subclassed models are refused.
-        accum_steps: Integer >= 1, the new layers' ``accum_steps``:
-            micro-batches whose statistics make one update of the moving
-            statistics. To train the result with
-            ``GradientAccumulateModel``, give the model's ``accum_steps``
-            (the model refuses layers with another value). ``1`` gives plain
-            Keras BatchNormalization behaviour.
-        position: String, only ``"replace"`` (the default): each
-            BatchNormalization is replaced in place. Kept so that calls
-            written for gradient_accumulator 0.5, which required
-            ``position="replace"``, keep working.
-        synchronized: Boolean (keyword only), the new layers' ``synchronized`` flag (for
-            every replaced layer, whatever its own flag was). ``True``: under
-            a ``tf.distribute`` strategy with several replicas each training
-            call normalizes with, and accumulates, the statistics of the
-            global micro-batch (all replicas, gathered in one collective);
-            without a strategy it changes nothing. ``False`` (default): each
-            replica uses the statistics of its own shard.
+            included); subclassed models are refused.
+        accum_steps: Integer >= 1, the new layers' ``accum_steps`` (a
+            ``GradientAccumulateModel``'s own).
+        position: String, only ``"replace"`` (the default).
+        synchronized: Boolean (keyword only), the new layers'
+            ``synchronized`` flag. Defaults to ``False``.
 
     Returns:
-        A new, built ``keras.Model`` of the same kind (Functional, Sequential,
-        ``GradientAccumulateModel``) with the same name, layers and weights,
-        its BatchNormalization layers replaced as above.
+        A new, built ``keras.Model`` of the same kind and name.
 
     Raises:
-        ValueError: If ``model`` is not a Keras model, or is a subclassed
-            model (build it with ``AccumBatchNormalization`` directly
-            instead); if a BatchNormalization sits inside a layer that is
-            not a Functional or Sequential model (a custom layer, a wrapper,
-            a nested subclassed model), where cloning cannot reach it; if
-            ``accum_steps`` is not an integer >= 1, or differs from the
-            ``accum_steps`` of a ``GradientAccumulateModel`` passed as
-            ``model``; if ``position`` is not ``"replace"``; if
-            ``synchronized`` is not a boolean; if a layer uses
-            ``renorm=True`` and ``accum_steps > 1``.
+        ValueError: If ``model`` is not a Functional or Sequential Keras
+            model, if a BatchNormalization sits where cloning cannot reach it
+            (inside a custom layer), if an argument is invalid, or if a layer
+            uses ``renorm=True`` with ``accum_steps > 1``.
 
     Example:
 

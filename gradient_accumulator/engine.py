@@ -833,9 +833,8 @@ class GradientAccumulator(tf.Module):
         self.update_count.assign_add(1)
         # The sums are emptied once the optimizer has written the variables
         # (after their reads, which wait for those writes), not beside it: the
-        # reset's temporaries then do not add to the optimizer's (on the MLP
-        # of benchmarks/memory.py, 80 MiB of sums, the update's allocator peak
-        # went from 512-592 MiB to 480-512).
+        # reset's temporaries then do not add to the optimizer's (the
+        # benchmarks page has the figures).
         with tf.control_dependencies([tf.convert_to_tensor(v) for v in variables]):
             self.reset(_has_loss_scale(optimizer))
 

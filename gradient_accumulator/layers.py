@@ -45,153 +45,69 @@ def _check_axis_type(axis):
 class AccumBatchNormalization(keras.layers.BatchNormalization):
     """BatchNormalization whose moving statistics follow the accumulated batch.
 
-    A drop-in for ``keras.layers.BatchNormalization`` (and a subclass of it,
-    so ``isinstance(layer, keras.layers.BatchNormalization)`` holds) for
-    training with gradient accumulation: the moving mean and variance are
-    updated **once per update**, with the mean and biased variance of the
-    whole accumulated batch ``B = concat(micro_batch_1, ..., micro_batch_n)``,
-    exactly as Keras BatchNormalization updates them after one training step
-    on ``B``::
+    A drop-in subclass of ``keras.layers.BatchNormalization`` whose moving
+    mean and variance are updated **once per update**, with the mean and
+    biased variance of the whole accumulated batch ``B = concat(micro_batch_1,
+    ..., micro_batch_n)``, as Keras's layer updates them after one training
+    step on ``B``::
 
         moving_mean     = momentum * moving_mean     + (1 - momentum) * mean(B)
         moving_variance = momentum * moving_variance + (1 - momentum) * var(B)
 
-    ``var(B)`` includes the spread *between* micro-batch means and weights
-    every micro-batch by its size, so micro-batches of different means or
-    sizes give the statistics of their union (the mean of per-micro-batch
-    variances would not).
+    ``var(B)`` includes the spread between micro-batch means and weighs each
+    micro-batch by its size (or its unmasked entries). In training, each
+    micro-batch is normalized with its own statistics (the forward pass
+    cannot see the rest of the group); in inference (``training=False`` or
+    ``trainable=False``) the layer uses the moving statistics and changes no
+    state. Used on its own, the layer counts its training calls and updates
+    at every ``accum_steps``-th; inside ``GradientAccumulateModel`` it
+    updates on the model's update steps, pooling all its calls of a group,
+    and its ``accum_steps`` must be the model's. With ``accum_steps=1`` it is
+    Keras's layer: no extra state, ``renorm`` allowed. The maths and its
+    float32 accuracy: :doc:`/background`; conversion of a model:
+    :func:`~gradient_accumulator.replace_batchnorm_layers`.
 
-    **Forward pass.** In training each micro-batch is normalized with its own
-    mean and variance: the forward pass cannot see the other micro-batches of
-    the group, so outputs (and hence gradients) are those of a
-    BatchNormalization on a batch of the micro-batch size. Only the moving
-    statistics, used at inference, are those of the big batch. In inference
-    (``training=False``, or ``trainable=False``, which as in Keras means
-    inference mode) the layer normalizes with the moving statistics and
-    changes no state.
+    State (with ``accum_steps > 1``; after Keras's four variables, channel
+    shape, float32, saved so that training resumes inside a group). With
+    ``n_i``, ``mean_i``, ``m2_i`` the count, mean and sum of squared
+    deviations of micro-batch ``i`` and ``d_i = mean_i - pending_shift``,
+    each training call updates:
 
-    **How statistics accumulate.** Each training call summarises its
-    micro-batch per channel by ``(count, mean, m2)`` (``m2``: sum of squared
-    deviations from the micro-batch mean, two passes) and merges it into the
-    pending statistics with Chan's parallel formula, in float32 whatever the
-    input dtype. The mean is kept as a float32 shift plus an offset of size
-    ``O(std)``, so the variance of data whose mean is large compared to its
-    spread stays accurate to about ``1e-6`` (where ``E[x^2] - E[x]^2`` fails;
-    see ``gradient_accumulator._moments``). With masks only unmasked entries
-    count.
+    - ``pending_count``: ``count += n_i``.
+    - ``pending_shift``: the float32 ``mean_i`` of the group's first
+      non-empty micro-batch (the origin of the group's mean).
+    - ``pending_mean_offset``: ``offset += (d_i - offset) * n_i / count``.
+    - ``pending_m2``: ``m2 += m2_i + (d_i - offset) ** 2 * (count - n_i) * n_i
+      / count`` (``offset`` before its update).
+    - ``micro_step`` (int64 scalar): training calls of the group, when used
+      on its own.
 
-    Who decides when the pending statistics move into the moving statistics:
-
-    - Used on its own (custom loop, plain ``keras.Model``): the layer counts
-      its training calls in ``micro_step`` and applies the pending statistics
-      in the call that completes ``accum_steps`` of them. A layer called
-      several times per step counts every call.
-    - Inside ``GradientAccumulateModel`` (while the model traces its train
-      step, ``engine.current_update_step()`` is not ``None``): training calls
-      only accumulate; the model calls :meth:`apply_pending_statistics` with
-      its own ``is_update_step`` after the forward pass, so every
-      ``AccumBatchNormalization`` updates on the model's update steps, and a
-      layer called several times per step pools all its calls of the group.
-      The layer's ``accum_steps`` must equal the model's: the model refuses
-      any other value when it is created (or, for a subclassed model, when
-      it first trains).
-
-    **State.** ``build()`` creates Keras BatchNormalization's variables
-    (``gamma``, ``beta``, ``moving_mean``, ``moving_variance``, first in
-    ``weights``, in Keras's order) and, when ``accum_steps > 1``, five more
-    non-trainable variables (channel shape ``(C,)`` unless noted), saved in
-    checkpoints and ``.keras`` files so training resumes inside a group.
-    With ``n_i``, ``mean_i``, ``m2_i`` the count, mean and sum of squared
-    deviations of micro-batch ``i``, each training call updates:
-
-    - ``pending_count`` (float32): samples merged in the current group,
-      ``count += n_i``.
-    - ``pending_shift`` (float32): origin of the group's mean, set to the
-      float32 ``mean_i`` of the group's first (non-empty) micro-batch.
-    - ``pending_mean_offset`` (float32): the group's mean minus
-      ``pending_shift``, ``offset += (d_i - offset) * n_i / count`` with
-      ``d_i = mean_i - pending_shift``.
-    - ``pending_m2`` (float32): the group's sum of squared deviations,
-      ``m2 += m2_i + (d_i - offset) ** 2 * (count - n_i) * n_i / count``
-      (``offset`` before its update).
-    - ``micro_step`` (int64 scalar): training calls in the current group
-      when used on its own (unused inside ``GradientAccumulateModel``).
-
-    Applying the pending statistics (on channels with ``pending_count > 0``)
-    uses ``mean(B) = pending_shift + pending_mean_offset`` and ``var(B) =
-    pending_m2 / pending_count``, then resets all five to 0. A group in which
-    a channel saw no unmasked sample leaves that channel's moving statistics
-    unchanged.
-
-    ``set_weights`` takes either all weights or only the Keras
-    BatchNormalization ones (as returned by a Keras BN layer's
-    ``get_weights()``); the latter empties the accumulation state, so
-    ``accum_bn.set_weights(keras_bn.get_weights())`` converts a layer
-    losslessly. (Weight files are not interchangeable: Keras names a layer's
-    variables in ``.keras``/``.weights.h5`` files after its class.)
-
-    With ``accum_steps=1`` the layer *is* Keras BatchNormalization: no extra
-    variables, moving statistics updated on every training call (also inside
-    ``GradientAccumulateModel``), every argument including ``renorm``.
+    An update uses ``mean(B) = pending_shift + pending_mean_offset`` and
+    ``var(B) = pending_m2 / pending_count`` on channels with
+    ``pending_count > 0`` and resets the five to 0. ``set_weights`` takes
+    all weights or Keras's four alone (which empties the pending state).
 
     Args:
-        accum_steps: Integer >= 1, micro-batches (training calls, when used
-            on its own) whose statistics make one update of the moving
-            statistics. Default ``1``: plain Keras BatchNormalization.
-        axis: Integer, the channel axis (any axis of the input, negative
-            counts from the end; ``1`` for ``channels_first`` images).
-            Default ``-1``.
-        momentum: Float in ``[0, 1]``, momentum of the moving averages, applied
-            once per update. Default ``0.99``, Keras's (and
-            gradient_accumulator 0.5's).
-        epsilon: Float > 0 added to the variance before dividing. Default
-            ``1e-3``.
-        center: Boolean, whether to add the learned offset ``beta``. Default
-            ``True``.
-        scale: Boolean, whether to multiply by the learned ``gamma``. Default
-            ``True``.
-        beta_initializer: Initializer for ``beta``. Default ``"zeros"``.
-        gamma_initializer: Initializer for ``gamma``. Default ``"ones"``.
-        moving_mean_initializer: Initializer for ``moving_mean``. Default
-            ``"zeros"``.
-        moving_variance_initializer: Initializer for ``moving_variance``.
-            Default ``"ones"``.
-        beta_regularizer: Optional regularizer for ``beta``. Default ``None``.
-        gamma_regularizer: Optional regularizer for ``gamma``. Default
-            ``None``.
-        beta_constraint: Optional constraint for ``beta``. Default ``None``.
-        gamma_constraint: Optional constraint for ``gamma``. Default ``None``.
-        renorm: Boolean, Batch Renormalization as in Keras. Only with
-            ``accum_steps=1`` (its per-call corrections cannot wait for the
-            group) and Keras >= 3.14 (earlier Keras has no renorm; the
-            three renorm arguments are then not passed on, and
-            ``renorm=True`` is refused). Default ``False``.
-        renorm_clipping: Optional dict with keys ``"rmax"``, ``"rmin"``,
-            ``"dmax"`` (only with ``renorm=True``), as in Keras.
-        renorm_momentum: Float, momentum of the renorm statistics, as in
-            Keras. Default ``0.99``.
-        synchronized: Boolean. ``True``: under a ``tf.distribute`` strategy
-            with several replicas, each training call uses the statistics of
-            the global micro-batch (all replicas), gathered in one collective
-            of the per-replica ``(count, mean, m2)`` and merged with Chan's
-            formula; without a strategy it changes nothing (as in Keras).
-            ``False``: each replica normalizes with, and accumulates, its own
-            shard, and (as in Keras) each replica's copy of the statistics
-            follows its own shard. Default ``False``.
-        **kwargs: Base layer keyword arguments (``name``, ``dtype``,
-            ``trainable``...).
+        accum_steps: Integer >= 1, micro-batches whose statistics make one
+            update of the moving statistics. Defaults to ``1`` (Keras's
+            layer).
+        synchronized: Boolean. ``True``: under a strategy with several
+            replicas, each training call uses the statistics of the global
+            micro-batch, gathered in one collective and merged exactly.
+            Defaults to ``False`` (each replica its own shard, as in Keras).
+        renorm: Boolean, Keras's Batch Renormalization; only with
+            ``accum_steps=1`` and Keras >= 3.14. Defaults to ``False``.
+        **kwargs: Every other argument of ``keras.layers.BatchNormalization``
+            (``axis``, ``momentum``, applied once per update, ``epsilon``,
+            ``center``, ``scale``, initializers, regularizers, constraints,
+            ``renorm_clipping``, ``renorm_momentum``) and of a Keras layer,
+            with Keras's defaults.
 
     Call arguments:
-        inputs: Tensor of any rank >= 1 and any float dtype; statistics are
-            computed in float32, the output has the layer's compute dtype.
-        training: Python boolean, training mode (batch statistics, state
-            updates) or inference mode (moving statistics, no state change).
-        mask: Optional tensor with one dimension less than ``inputs``
-            (broadcast along the last axis of ``inputs``); entries where it is
-            false are left out of the statistics.
-
-    Returns:
-        The normalized tensor, same shape as ``inputs``.
+        inputs: Tensor of rank >= 1, any float dtype (statistics in float32).
+        training: Python boolean, training or inference mode.
+        mask: Optional tensor with one dimension less than ``inputs``;
+            entries where it is false are left out of the statistics.
 
     Example:
 

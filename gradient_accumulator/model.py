@@ -179,101 +179,57 @@ class _EpochBoundary(keras.callbacks.Callback):
 class GradientAccumulateModel(keras.Model):
     """A ``keras.Model`` whose ``fit`` accumulates gradients over micro-batches.
 
-    Each micro-step computes the gradient of one micro-batch and adds it to
-    float32 sums; every ``accum_steps``-th micro-step hands the mean of the
-    group to the compiled optimizer and empties the sums. ``fit`` runs a
-    whole group per compiled call (as :meth:`group_step` does) where the epoch's
-    length is known, so its batch callbacks run once per update; each
-    ``train_on_batch`` call is one micro-step (:meth:`train_step`). With micro-batch
-    gradients ``g_i`` of a loss that Keras divides by ``N_i`` (its samples; or
-    its valid tokens under a mask; or the sum of its sample weights with
-    ``reduction="mean_with_sample_weight"``), the update uses::
+    Each micro-step adds one micro-batch's gradient to float32 sums; every
+    ``accum_steps``-th hands the group's mean to the compiled optimizer and
+    empties the sums. With micro-batch gradients ``g_i`` of a loss that Keras
+    divides by ``N_i`` (its samples, its valid tokens under a mask, or its
+    sample weights' sum), the update uses the gradient of the concatenated
+    group's loss::
 
         g = sum_i(N_i * g_i) / sum_i(N_i)
 
-    the gradient of the loss of the concatenated group (a summed loss,
-    ``reduction="sum"``, gives ``sum_i(g_i)``; a variable marked
-    ``overwrite_with_gradient``, a float8 layer's scale or amax history, gets
-    the elementwise ``max_i(g_i)``, the big batch's value). Hence
-    ``fit(x, y, batch_size=b)`` trains like plain Keras
-    ``fit(x, y, batch_size=accum_steps * b)`` on the same data order: the
-    optimizer (any Keras optimizer, its moments, weight decay, EMA, clipping
-    and learning-rate schedule) runs once per update and
-    ``optimizer.iterations`` counts updates, not micro-steps.
+    (``sum_i(g_i)`` for a summed loss; ``max_i(g_i)`` for float8 scales and
+    amax histories). So ``fit(x, y, batch_size=b)`` trains like plain Keras
+    ``fit(x, y, batch_size=accum_steps * b)`` on the same data order, for any
+    optimizer, whose ``iterations`` count updates. An epoch's leftover
+    micro-batches form a shorter last group, weighted by their samples as
+    Keras's shorter last batch; groups never span epochs. ``fit`` runs one
+    compiled call per group where the epoch's length is known (batch
+    callbacks then run once per update); ``train_on_batch`` is one
+    micro-step. Losses with different normalisers (a masked per-token output
+    beside a per-sequence one) are summed and divided per normaliser class.
+    Not identical to the big batch: batch-dependent forward passes
+    (``BatchNormalization``; see ``AccumBatchNormalization``), losses whose
+    normaliser the wrapper cannot see (:ref:`which-losses-are-exact`), and float
+    rounding.
 
-    The epoch's last group: when the number of micro-batches per epoch is not
-    a multiple of ``accum_steps``, the remaining micro-batches form a shorter
-    group that is applied in the epoch's last train step, each micro-batch
-    weighted by the samples it holds, exactly as plain Keras treats its
-    shorter last batch. Groups never span epochs. With data of unknown length
-    the leftover group is applied when the epoch ends (after validation).
-
-    The normaliser is read from Keras's own loss reductions while the loss
-    is computed. Each micro-batch's loss is multiplied by its share of the
-    group before the backward pass (``1 / accum_steps`` for equal
-    micro-batches), so that under ``mixed_float16`` its float16 gradients
-    have the big batch's magnitude and the loss scale follows the big
-    batch's.
-
-    Outputs whose losses divide by different normalisers (e.g. a masked
-    per-token output beside a per-sequence one), and data-dependent
-    ``add_loss`` terms beside such a loss, form normaliser classes, found
-    by ``fit`` before its first step: each class is summed and divided on
-    its own (one more float32 sum for every variable several classes reach,
-    one backward pass per class).
-
-    Where it is *not* identical to the big batch: layers whose forward pass
-    depends on the whole batch (BatchNormalization sees one micro-batch at a
-    time; see ``AccumBatchNormalization``), losses whose normaliser the
-    wrapper cannot see (an overridden ``compute_loss``: weighted by samples;
-    the documentation's "Which losses are exact" lists every case, and a
-    warning at the first step names those it can detect), and float
-    rounding (float32: about 1e-6; float16 compute: about 1e-3, tested to
-    2e-3).
-
-    State: the accumulation sums are not model weights (``get_weights()`` has
-    the unwrapped model's structure) but are saved by ``save_weights``,
-    ``.keras`` files, ``BackupAndRestore`` and ``tf.train.Checkpoint``, so a
-    run resumed in the middle of a group ends where an uninterrupted one does.
-    In weights files they have an entry of their own, written only while a
-    group is pending: the plain Keras model of the same graph loads the
-    file, and a file it saved loads here with no group pending.
+    State: the sums are not model weights (``get_weights()`` is the
+    unwrapped model's) but are saved by ``save_weights``, ``.keras`` files,
+    ``BackupAndRestore`` and ``tf.train.Checkpoint``, in an entry of their
+    own written only while a group is pending, so a run resumed inside a
+    group ends where an uninterrupted one does.
 
     Args:
-        accum_steps: Integer >= 1, micro-batches per optimizer update. ``1``
-            disables accumulation (plain Keras training).
-        use_agc: Boolean. If ``True``, adaptive gradient clipping
-            (:func:`gradient_accumulator.adaptive_clip_gradients`, Brock et
-            al. 2021) is applied to the accumulated mean gradient at each
-            update, before the optimizer (and its own clipping). Defaults to
+        accum_steps: Integer >= 1, micro-batches per optimizer update; ``1``
+            is plain Keras training.
+        use_agc: Boolean, clip the mean gradient adaptively at each update
+            (:func:`~gradient_accumulator.adaptive_clip_gradients`), before
+            the optimizer. Defaults to ``False``.
+        clip_factor: Float > 0, AGC's largest ratio of gradient norm to
+            weight norm; only with ``use_agc=True``. Defaults to ``0.01``.
+        eps: Float > 0, AGC's floor on weight norms; only with
+            ``use_agc=True``. Defaults to ``1e-3``.
+        reduce_every_micro_step: Boolean, under a strategy all-reduce every
+            micro-step's gradients instead of the sums once per update (same
+            result, ``accum_steps`` times the communication). Defaults to
             ``False``.
-        clip_factor: Float > 0, AGC's largest ratio of a unit's gradient norm
-            to its weight norm. Acts only with ``use_agc=True``
-            (another value without it is refused). Defaults to
-            ``0.01``.
-        eps: Float > 0, AGC's floor on weight norms, so that zero-initialised
-            weights can move. Acts only with ``use_agc=True``
-            (another value without it is refused). Defaults to
-            ``1e-3``.
-        reduce_every_micro_step: Boolean. Under a ``tf.distribute`` strategy,
-            ``False`` (the default) keeps each replica's sums local and
-            all-reduces them once per update, in one batch; ``True``
-            all-reduces every micro-step's gradient before adding it, as
-            plain data-parallel training does, at ``accum_steps`` times the
-            communication. The result is the same either way.
-        average_batchnorm_statistics: Boolean. Under a strategy with several
-            replicas, ``fit`` makes the replicas' copies of the moving
-            statistics of BatchNormalization layers that are not merged at
-            updates (Keras's own, ``accum_steps=1``) equal, by averaging,
-            before every validation, at every epoch end (before callbacks
-            that save) and at the end of training
+        average_batchnorm_statistics: Boolean, under several replicas make
+            the replicas' copies of Keras BatchNormalization statistics equal
+            before validation, at epoch ends and at the end of training
             (:class:`~gradient_accumulator.AverageBatchNormStatistics`).
-            ``AccumBatchNormalization`` with ``accum_steps > 1`` needs none
-            of it: it merges its replicas' statistics exactly at every
-            update. Defaults to ``True``.
-        **kwargs: Passed to ``keras.Model`` (with any positional
-            arguments), usually ``inputs=`` and ``outputs=`` of an existing
-            functional model.
+            Defaults to ``True``.
+        **kwargs: Passed to ``keras.Model``, usually ``inputs=`` and
+            ``outputs=``.
 
     Example:
 
@@ -723,8 +679,8 @@ class GradientAccumulateModel(keras.Model):
         their forward passes side by side, holding several micro-batches'
         activations. A loop, not the micro-steps unrolled: a micro-step is
         traced twice whatever the length, and the graph stays one
-        micro-step's size (unrolled, it held hundreds of MiB more on
-        MobileNetV2; the figures are on the benchmarks page).
+        micro-step's size (unrolled, it held more memory on MobileNetV2; the
+        figures are on the benchmarks page).
         """
         key = "group"
         if key not in self._train_functions:

@@ -216,144 +216,52 @@ class _PresentGradients:
 class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     """Wraps a Keras optimizer so that it updates once every ``accum_steps`` calls.
 
-    For custom training loops (``opt.apply_gradients(zip(grads, variables))``,
-    eager or inside a ``tf.function``) and for ``model.compile()`` of a plain
-    ``keras.Model``. Each call to ``apply_gradients`` (a *micro-step*) adds
-    the gradients to float32 sums; every ``accum_steps``-th call (an
-    *update*) hands their mean to the inner optimizer and empties the sums.
-    With ``g_i`` the gradient passed at micro-step ``i`` of a group of
-    ``k = accum_steps``::
+    For custom training loops and for ``compile()`` of a plain ``keras.Model``.
+    Each ``apply_gradients`` call (a *micro-step*) adds its gradients to
+    float32 sums; every ``accum_steps``-th (an *update*) hands their mean to
+    the inner optimizer and empties the sums. With ``g_i`` the gradient of
+    micro-step ``i`` of a group of ``k = accum_steps``::
 
-        g = (g_1 + ... + g_k) / k
+        g = (g_1 + ... + g_k) / k      # sum_i(g_i) / sum_i(w_i) with scale_loss
         g = adaptive_clip_gradients(g, weights)   # only if use_agc=True
-        inner_optimizer.apply(g)   # moments, weight decay, clipping, EMA,
-                                   # learning-rate schedule, iterations += 1
+        inner_optimizer.apply(g)       # iterations += 1
 
-    (With :meth:`scale_loss`, ``g_i`` is the gradient of ``w_i * loss_i``
-    and the mean is ``sum_i(g_i) / sum_i(w_i)``, the same update.)
+    The calls in between change neither the weights nor the inner optimizer's
+    state, so ``iterations`` and learning-rate schedules count updates. When
+    each ``g_i`` is the gradient of the mean loss over an equal-sized
+    micro-batch, an update is the inner optimizer's step on the concatenated
+    batch, for any optimizer (float32 rounding); micro-batches of different
+    sizes weigh right through ``scale_loss(loss, normaliser=...)``. The
+    wrapper does not see epochs: :meth:`apply_accumulated_gradients` ends a
+    group early, and ``GradientAccumulateModel`` does both for ``fit``.
+    Distribution, mixed precision and sparse gradients:
+    :doc:`/guides/custom_loop`.
 
-    The calls in between change neither the weights nor any state of the
-    inner optimizer (its moments and ``iterations`` stay bit-identical), so
-    ``iterations`` counts updates and a learning-rate schedule sees updates.
-
-    Equivalence with a big batch: when each ``g_i`` is the gradient of the
-    *mean* loss over micro-batch ``i`` and all micro-batches have the same
-    size, ``g`` is the gradient of the mean loss over the concatenated batch
-    and one update equals one step of the inner optimizer on that batch, for
-    any optimizer (float32: within about 1e-6). Micro-batches are weighted
-    equally unless told otherwise: pass each micro-batch's normaliser (its
-    samples, or its valid tokens for a masked loss) to
-    ``scale_loss(loss, normaliser=...)`` and differentiate what it returns;
-    micro-batch ``i`` then weighs ``N_i / sum(N)`` in the update, as in the
-    big batch. The optimizer does not see epochs either: in ``fit``, when the
-    batches per epoch are not a multiple of ``accum_steps``, a group spans two
-    epochs. ``GradientAccumulateModel`` reads the normalisers from Keras's
-    losses and ends groups with the epoch; prefer it for ``fit``. In a
-    custom loop, call :meth:`apply_accumulated_gradients` to end a group
-    early.
-
-    Sparse gradients (``tf.IndexedSlices``, e.g. from ``keras.layers.Embedding``)
-    are scatter-added into a dense float32 sum, which merges duplicate indices
-    by summation, and the inner optimizer receives a dense gradient at the
-    update: the result equals the inner optimizer's step on the densified
-    gradient of the big batch. (Keras's sparse Adam, RMSprop and Adagrad,
-    given the raw ``IndexedSlices`` of the big batch, square each row before
-    summing repeated ones, which is not that step: see "My Embedding model
-    does not match plain Keras" in the troubleshooting guide.) Memory: the sum is one
-    dense float32 copy of each embedding table, and an update step makes one
-    more transient copy (the mean gradient); the sum is zeroed in place.
-
-    Distribution: call ``apply_gradients`` in replica context (inside
-    ``strategy.run``, as Keras's ``fit`` does); micro-steps that do not update
-    communicate nothing, and an update all-reduces the accumulated sums once,
-    in one batched reduction, after which the inner optimizer applies the
-    global mean without reducing it again (so its clipping sees the global
-    gradient).
-
-    Mixed precision: ``GradientAccumulateOptimizer(LossScaleOptimizer(
-    optimizer), ...)`` (with ``compile(..., auto_scale_loss=False)``)
-    is the big batch: ``scale_loss`` multiplies each micro-batch's loss by its
-    share of the group (``1 / accum_steps``) and by the loss scale, the scaled
-    gradients are summed, and the ``LossScaleOptimizer`` unscales and checks
-    the group's mean once per update, so one non-finite micro-batch skips its
-    whole group and the loss scale follows the big batch's. A second
-    ``LossScaleOptimizer`` around it is refused. The other order,
-    ``LossScaleOptimizer(GradientAccumulateOptimizer(optimizer, ...))``, is
-    what ``model.compile()`` builds by itself from this wrapper under
-    ``mixed_float16``: when that ``LossScaleOptimizer`` builds this one, this
-    one takes its role, the same computation: its ``scale_loss`` and
-    ``apply`` call this wrapper's, and the update unscales and checks with
-    its scale variable. (Built in its first ``apply`` while running eagerly,
-    after it has scaled a loss itself, the wrapper warns and leaves it: build
-    first.)
-
-    Everything else that shapes the update (``learning_rate`` and its
-    schedule, ``weight_decay``, ``clipnorm``, ``global_clipnorm``,
-    ``clipvalue``, ``use_ema``, ``loss_scale_factor``) is set on the inner
-    optimizer. Read or set on the wrapper, these attributes are the inner
-    optimizer's (``learning_rate`` too, so
-    ``keras.callbacks.LearningRateScheduler`` and ``ReduceLROnPlateau``
-    work), and ``exclude_from_weight_decay``, ``update_step``,
-    ``finalize_variable_values`` and ``add_variable`` act on it.
-
-    State: ``variables`` are the inner optimizer's (``set_weights`` sets
-    them, one array each); ``accumulation_variables`` holds the
-    accumulation state created in ``build()`` (replica-local TensorFlow
-    variables, float32 sums):
-
-    - ``<variable>_accumulator`` per trainable variable: ``sum_i(g_i)`` of the
-      current group (dense, the variable's shape); for a variable marked
-      ``overwrite_with_gradient`` (a float8 layer's scales and amax
-      histories, which Keras's optimizers assign their "gradient"), the
-      elementwise ``max_i(g_i)``, handed to the inner optimizer as it is:
-      the big batch's value.
-    - ``weight_sum``: micro-steps in the current group, as float32 (the
-      divisor of the mean).
-    - ``group_reference``: the engine's micro-batch weight reference, unused
-      here (every micro-step has weight 1).
-    - ``micro_step``: micro-steps accumulated in the current group.
-    - ``update_count``: updates made (the argument of a scheduled
-      ``accum_steps``).
-
-    All of it is saved by ``.keras`` files, ``save_weights`` and
-    ``tf.train.Checkpoint``, so training resumed inside a group ends it where
-    an uninterrupted run does.
+    State (``accumulation_variables``, replica-local, saved with the
+    optimizer): ``<variable>_accumulator``, ``sum_i(g_i)`` per trainable
+    variable (``max_i(g_i)`` for float8 scales and amax histories, which
+    optimizers assign); ``weight_sum``, ``sum_i(w_i)``; ``micro_step``, the
+    micro-steps of the group; ``update_count``, the updates made;
+    ``group_reference`` (unused here). ``variables`` are the inner
+    optimizer's.
 
     Args:
-        optimizer: A ``keras.optimizers.Optimizer`` instance, or its name or
-            config as accepted by ``keras.optimizers.get`` (e.g. ``"adam"``).
-            Must not accumulate itself (no ``gradient_accumulation_steps``);
-            may be a ``LossScaleOptimizer`` (see "Mixed precision").
-            Defaults to ``"sgd"``.
-        accum_steps: Integer >= 1, micro-steps per update; ``1`` disables
-            accumulation (every call updates). Or a callable mapping the
-            number of updates so far (int64 scalar tensor) to an integer
-            tensor, the micro-steps of the next group (values below 1 count
-            as 1), e.g. to grow the effective batch during training, as
-            optax's ``every_k_schedule``. A callable is saved by
-            ``get_config`` only if Keras can find it again: decorate it with
-            ``@keras.saving.register_keras_serializable()``; otherwise
-            ``get_config`` (and so ``model.save``) raises. Defaults to ``1``.
-        use_agc: Boolean. If ``True``, adaptive gradient clipping
-            (:func:`gradient_accumulator.agc.adaptive_clip_gradients`) is
-            applied to the accumulated mean gradient at each update, before
-            the inner optimizer. Defaults to ``False``.
-        clip_factor: Float > 0, AGC's largest ratio of a unit's gradient norm
-            to its weight norm. Acts only with ``use_agc=True``
-            (another value without it is refused). Defaults to
-            ``0.01``.
-        eps: Float > 0, AGC's floor on weight norms (so that zero-initialised
-            weights can move). Acts only with ``use_agc=True``
-            (another value without it is refused). Defaults to
-            ``1e-3``.
-        reduce_every_micro_step: Boolean. Under a ``tf.distribute`` strategy,
-            ``False`` (the default) keeps each replica's sums local and
-            all-reduces them once per update, in one batch; ``True``
-            all-reduces every micro-step's gradient before adding it, at
-            ``accum_steps`` times the communication. Same result either way.
+        optimizer: A ``keras.optimizers.Optimizer``, or its name or config
+            (``"adam"``), not accumulating itself; may be a
+            ``LossScaleOptimizer``. Defaults to ``"sgd"``.
+        accum_steps: Integer >= 1, micro-steps per update (``1``: every call
+            updates), or a registered callable mapping the updates so far
+            (int64 tensor) to the next group's micro-steps. Defaults to ``1``.
+        use_agc: Boolean, clip the mean gradient adaptively at each update.
             Defaults to ``False``.
-        name: String, the name scope of the accumulation state. Defaults to
-            a unique name derived from ``"gradient_accumulate_optimizer"``.
+        clip_factor: Float > 0, AGC's largest ratio of gradient norm to
+            weight norm; only with ``use_agc=True``. Defaults to ``0.01``.
+        eps: Float > 0, AGC's floor on weight norms; only with
+            ``use_agc=True``. Defaults to ``1e-3``.
+        reduce_every_micro_step: Boolean, all-reduce every micro-step's
+            gradients instead of the sums once per update (same result,
+            ``accum_steps`` times the communication). Defaults to ``False``.
+        name: String, the name scope of the accumulation state.
 
     Example:
 
@@ -370,8 +278,6 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     ...     _ = opt.apply_gradients(zip(grads, model.trainable_variables))
     >>> int(opt.iterations.numpy())  # 8 micro-steps, 2 updates
     2
-    >>> type(opt.inner_optimizer).__name__, opt.get_config()["accum_steps"]
-    ('Adam', 4)
     """
 
     def __init__(
