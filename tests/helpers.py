@@ -156,21 +156,41 @@ def float8_differences(reference, model):
     return found
 
 
-# The optimizers of the distributed feature tables (tests/scripts/mirrored_*.py),
-# every one a case against one device at the global big batch.
-TABLE_OPTIMIZERS = {
+# Every optimizer the equivalence tests train, by name: the one table of the
+# test suite. The distributed feature tables (tests/scripts/mirrored_*.py) run
+# the `DISTRIBUTED_OPTIMIZERS` among them, each a case against one device at
+# the global big batch.
+OPTIMIZERS = {
     "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
     "adam": lambda: keras.optimizers.Adam(0.01),
     "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
     "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
+    "rmsprop_momentum": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+    "lion": lambda: keras.optimizers.Lion(0.003),
     "schedule": lambda: keras.optimizers.SGD(
         keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
     ),
     "use_ema": lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.5),
+    # Options the inner optimizer applies once per update.
+    "adam_clipnorm_ema": lambda: keras.optimizers.Adam(
+        0.01, global_clipnorm=0.5, use_ema=True, ema_momentum=0.9
+    ),
     "clipnorm": lambda: keras.optimizers.SGD(0.5, clipnorm=0.05),
     "global_clipnorm": lambda: keras.optimizers.SGD(0.5, global_clipnorm=0.05),
     "clipvalue": lambda: keras.optimizers.SGD(0.5, clipvalue=0.01),
 }
+DISTRIBUTED_OPTIMIZERS = (
+    "sgd_momentum",
+    "adam",
+    "adamw",
+    "rmsprop",
+    "schedule",
+    "use_ema",
+    "clipnorm",
+    "global_clipnorm",
+    "clipvalue",
+)
 CLIPPING_OPTIMIZERS = {"clipnorm", "global_clipnorm", "clipvalue"}
 
 
@@ -370,8 +390,11 @@ MEASURED = {}
 
 
 def max_abs_diff(weights_a, weights_b):
+    """Max |a - b| over paired arrays (or variables)."""
     assert len(weights_a) == len(weights_b)
-    return max(float(np.max(np.abs(a - b))) for a, b in zip(weights_a, weights_b))
+    return max(
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(weights_a, weights_b)
+    )
 
 
 def assert_close(weights_a, weights_b, atol):

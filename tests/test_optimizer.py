@@ -17,30 +17,26 @@ from tests.helpers import (
     FLOAT16_ATOL,
     FLOAT32_ATOL,
     KERAS_VERSION,
+    OPTIMIZERS,
+    assert_close,
     assert_diff_below,
     build_tagger,
     make_padded_sequences,
+    max_abs_diff,
     run_script_module,
     script_results,
 )
 
-# float32: the mean of k micro-batch mean gradients and the mean gradient of
-# the concatenated batch differ only by summation order (~1e-7 relative); the
-# weights and optimizer states compared are O(1), so 1e-6 absolute.
-ATOL = 1e-6
-
-OPTIMIZERS = {
-    "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
-    "adam": lambda: keras.optimizers.Adam(0.01),
-    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
-    "rmsprop": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5),
-    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
-    "lion": lambda: keras.optimizers.Lion(0.003),
-    # Options the inner optimizer applies once per update.
-    "adam_clipnorm_ema": lambda: keras.optimizers.Adam(
-        0.01, global_clipnorm=0.5, use_ema=True, ema_momentum=0.9
-    ),
-}
+# The optimizers of the equivalence table here (of tests.helpers.OPTIMIZERS).
+OPTIMIZER_NAMES = [
+    "sgd_momentum",
+    "adam",
+    "adamw",
+    "rmsprop_momentum",
+    "adagrad",
+    "lion",
+    "adam_clipnorm_ema",
+]
 # How a micro-step is run: eager, inside a tf.function, XLA-compiled.
 MODES = {
     "eager": lambda fn: fn,
@@ -125,20 +121,10 @@ def _values(variables):
     return [np.array(v) for v in variables]
 
 
-def _max_abs_diff(a, b):
-    return max(float(np.max(np.abs(np.asarray(u) - np.asarray(v)))) for u, v in zip(a, b))
-
-
 def _assert_bit_identical(before, after):
     assert len(before) == len(after)
     for u, v in zip(before, after):
         np.testing.assert_array_equal(u, v)
-
-
-def _assert_close(actual, expected, atol=ATOL):
-    assert len(actual) == len(expected)
-    for u, v in zip(actual, expected):
-        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=0, atol=atol)
 
 
 def _train_and_compare(
@@ -175,18 +161,18 @@ def _train_and_compare(
         group = slice(update * accum_steps * batch, (update + 1) * accum_steps * batch)
         _reference_step(reference, reference_optimizer, x[group], y[group], densify)
         assert int(optimizer.iterations.numpy()) == update + 1
-        _assert_close(model.weights, reference.weights)
-        _assert_close(inner.variables, reference_optimizer.variables)
+        assert_close(model.weights, reference.weights, FLOAT32_ATOL)
+        assert_close(inner.variables, reference_optimizer.variables, FLOAT32_ATOL)
     return (
-        _max_abs_diff(model.weights, reference.weights),
-        _max_abs_diff(inner.variables, reference_optimizer.variables),
+        max_abs_diff(model.weights, reference.weights),
+        max_abs_diff(inner.variables, reference_optimizer.variables),
     )
 
 
 # ------------------------------------------------------------- equivalence --
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", OPTIMIZER_NAMES)
 def test_updates_equal_inner_step_on_concatenated_batch(name):
     _train_and_compare(OPTIMIZERS[name], accum_steps=3, updates=3)
 
@@ -222,7 +208,7 @@ def test_compiled_fit_equals_big_batch_fit():
     model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
     reference.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 6
-    _assert_close(model.weights, reference.weights)
+    assert_close(model.weights, reference.weights, FLOAT32_ATOL)
 
 
 def test_variables_without_gradient_stay_untouched():
@@ -255,7 +241,7 @@ def test_apply_accumulated_gradients_applies_partial_group():
     _reference_step(reference, reference_optimizer, x[:12], y[:12])
     _reference_step(reference, reference_optimizer, x[12:], y[12:])
     assert int(optimizer.iterations.numpy()) == 2
-    _assert_close(model.weights, reference.weights)
+    assert_close(model.weights, reference.weights, FLOAT32_ATOL)
 
 
 # ------------------------------------------------- schedules and callbacks --
@@ -309,7 +295,7 @@ def test_scheduled_accum_steps():
     for start, stop in [(0, 4), (4, 8), (8, 20), (20, 32)]:
         _reference_step(reference, reference_optimizer, x[start:stop], y[start:stop])
     assert int(optimizer.iterations.numpy()) == 4
-    _assert_close(model.weights, reference.weights)
+    assert_close(model.weights, reference.weights, FLOAT32_ATOL)
     restored = GradientAccumulateOptimizer.from_config(optimizer.get_config())
     assert restored.accum_steps is growing_accum_steps
 
@@ -337,7 +323,7 @@ def test_agc_clips_the_accumulated_gradient():
     clipped = adaptive_clip_gradients(grads, reference.trainable_variables, 0.02, 1e-3)
     assert any(not np.allclose(g, c) for g, c in zip(grads, clipped))  # it clips
     reference_optimizer.apply_gradients(zip(clipped, reference.trainable_variables))
-    _assert_close(model.weights, reference.weights)
+    assert_close(model.weights, reference.weights, FLOAT32_ATOL)
 
 
 @pytest.mark.parametrize("name", ["sgd_momentum", "adam"])
@@ -370,16 +356,6 @@ def test_sparse_sgd_equals_keras_sparse_path():
 # --------------------------------------------------------- mixed precision --
 
 
-@pytest.fixture
-def mixed_float16():
-    previous = keras.config.dtype_policy()
-    keras.config.set_dtype_policy("mixed_float16")
-    try:
-        yield
-    finally:
-        keras.config.set_dtype_policy(previous)
-
-
 def test_compile_wraps_in_loss_scale_optimizer_under_mixed_float16(mixed_float16):
     model, reference = _twin_models()
     model.compile(
@@ -394,7 +370,7 @@ def test_compile_wraps_in_loss_scale_optimizer_under_mixed_float16(mixed_float16
     reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     # LossScaleOptimizer forwards `iterations` to its inner optimizer from Keras 3.9 on.
     assert int(model.optimizer.inner_optimizer.iterations.numpy()) == 2
-    _assert_close(model.weights, reference.weights, atol=FLOAT16_ATOL)
+    assert_close(model.weights, reference.weights, FLOAT16_ATOL)
 
 
 def test_static_loss_scale_of_inner_optimizer():
@@ -411,7 +387,7 @@ def test_static_loss_scale_of_inner_optimizer():
         grads = tape.gradient(scaled, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
     _reference_step(reference, keras.optimizers.SGD(0.1), x, y)
-    _assert_close(model.weights, reference.weights)
+    assert_close(model.weights, reference.weights, FLOAT32_ATOL)
     # LossScaleOptimizer clears the factor that is actually applied. Keras
     # < 3.10 leaves it (and scales twice, plain Keras optimizers too): there,
     # clearing it through the wrapper is checked.
@@ -554,7 +530,7 @@ def test_loss_scale_follows_the_big_batch(mixed_float16, accum_steps, order):
     assert int(optimizer.iterations.numpy()) == 6
     # LossScaleOptimizer forwards `iterations` to its inner optimizer from Keras 3.9 on.
     assert int(reference.optimizer.inner_optimizer.iterations.numpy()) == 6
-    diff = _max_abs_diff(model.get_weights(), reference.get_weights())
+    diff = max_abs_diff(model.get_weights(), reference.get_weights())
     assert_diff_below(diff, FLOAT16_ATOL)
 
 
@@ -563,7 +539,7 @@ def test_loss_scale_follows_the_big_batch_in_eager_fit_when_built_first(mixed_fl
     scale = loss_scale.dynamic_scale
     assert float(scale.numpy()) == float(reference.optimizer.dynamic_scale.numpy()) == 32768.0
     assert int(optimizer.iterations.numpy()) == 6
-    diff = _max_abs_diff(model.get_weights(), reference.get_weights())
+    diff = max_abs_diff(model.get_weights(), reference.get_weights())
     assert_diff_below(diff, FLOAT16_ATOL)
 
 
@@ -587,7 +563,7 @@ def test_non_finite_micro_step_skips_its_group(order):
     optimizer.apply(half, variables)
     optimizer.apply(half, variables)
     assert int(loss_scale.inner_optimizer.iterations.numpy()) == 1
-    _assert_close(model.weights, [w - 0.1 for w in before])
+    assert_close(model.weights, [w - 0.1 for w in before], FLOAT32_ATOL)
 
 
 def test_token_count_normaliser_makes_a_custom_loop_exact():
@@ -617,7 +593,7 @@ def test_token_count_normaliser_makes_a_custom_loop_exact():
 
         for start in range(0, len(x), 8):
             micro_step(x[start : start + 8], tags[start : start + 8])
-        return _max_abs_diff(model.get_weights(), reference.get_weights())
+        return max_abs_diff(model.get_weights(), reference.get_weights())
 
     assert_diff_below(run(True), FLOAT32_ATOL)
     assert run(False) > 1e-3  # micro-batches counted equally: visibly not the big batch

@@ -29,7 +29,7 @@ import tensorflow as tf
 from gradient_accumulator import AccumBatchNormalization, GradientAccumulateModel
 from tests.helpers import (
     CLIPPING_OPTIMIZERS,
-    TABLE_OPTIMIZERS,
+    DISTRIBUTED_OPTIMIZERS,
     build_classifier,
     build_dense,
     build_embedding,
@@ -45,6 +45,9 @@ from tests.helpers import (
     numpy_agc_all,
     train_big_batches,
 )
+from tests.helpers import (
+    OPTIMIZERS as ALL_OPTIMIZERS,
+)
 from tests.scripts import (
     ACCUM_STEPS,
     BIG_BATCH,
@@ -57,7 +60,7 @@ from tests.scripts import (
     values,
 )
 
-OPTIMIZERS = TABLE_OPTIMIZERS
+OPTIMIZERS = {name: ALL_OPTIMIZERS[name] for name in DISTRIBUTED_OPTIMIZERS}
 CLIPPED = CLIPPING_OPTIMIZERS
 
 

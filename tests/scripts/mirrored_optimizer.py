@@ -29,8 +29,8 @@ import tensorflow as tf
 from gradient_accumulator import GradientAccumulateOptimizer
 from tests.helpers import (
     CLIPPING_OPTIMIZERS,
+    DISTRIBUTED_OPTIMIZERS,
     KERAS_VERSION,
-    TABLE_OPTIMIZERS,
     build_dense,
     build_embedding,
     build_tagger,
@@ -40,6 +40,9 @@ from tests.helpers import (
     max_abs_diff,
     numpy_agc_all,
     train_big_batches,
+)
+from tests.helpers import (
+    OPTIMIZERS as ALL_OPTIMIZERS,
 )
 from tests.scripts import (
     ACCUM_STEPS,
@@ -53,7 +56,10 @@ from tests.scripts import (
     values,
 )
 
-OPTIMIZERS = {**TABLE_OPTIMIZERS, "sgd": lambda: keras.optimizers.SGD(0.5)}
+OPTIMIZERS = {
+    **{name: ALL_OPTIMIZERS[name] for name in DISTRIBUTED_OPTIMIZERS},
+    "sgd": lambda: keras.optimizers.SGD(0.5),
+}
 CLIPPED = CLIPPING_OPTIMIZERS
 
 
