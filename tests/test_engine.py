@@ -402,3 +402,104 @@ def test_float8_scales_and_amax_histories_are_the_big_batch_s(wrapper):
     # The amax histories moved: 3 updates wrote 3 entries, not all the same.
     history = np.asarray(reference.layers[1].inputs_amax_history)
     assert np.count_nonzero(history) == 3 and len(set(history[history > 0])) == 3, history
+
+
+# ----------------------------------------- what the wrappers rely on, directly --
+
+
+def _sgd_accumulator(shapes, accum_steps=3):
+    """An accumulator over zero variables and SGD(1): an update subtracts the mean."""
+    variables = [keras.Variable(np.zeros(shape, "float32")) for shape in shapes]
+    optimizer = keras.optimizers.SGD(1.0)
+    optimizer.build(variables)
+    return GradientAccumulator(accum_steps, variables), variables, optimizer
+
+
+def test_accumulate_adds_weighted_dense_and_sparse_gradients_and_their_divisors():
+    # Each micro-step adds its gradients (dense, or IndexedSlices whose
+    # duplicate rows sum) and its divisor; a variable without a gradient
+    # keeps its sum; nothing moves the variables before the update.
+    accumulator, variables, optimizer = _sgd_accumulator([(3, 2), (2,)])
+    rng = np.random.default_rng(0)
+    dense = [rng.normal(size=(3, 2)).astype("float32") for _ in range(2)]
+    values = tf.constant(rng.normal(size=(3, 2)).astype("float32"))
+    rows = tf.IndexedSlices(values, tf.constant([2, 0, 2]), tf.constant([3, 2]))
+    expected = dense[0] + dense[1] + tf.convert_to_tensor(rows).numpy()
+    bias = rng.normal(size=(2,)).astype("float32")
+
+    step = tf.function(
+        lambda grads, divisor: accumulator.step(grads, divisor, False, optimizer, variables)
+    )
+    step([dense[0], bias], 4.0)
+    step([dense[1], None], 2.0)
+    step([rows, None], 1.5)
+    np.testing.assert_allclose(accumulator.gradient_sums[0].numpy(), expected, rtol=1e-6)
+    np.testing.assert_array_equal(accumulator.gradient_sums[1].numpy(), bias)
+    assert float(accumulator.weight_sum.numpy()) == 7.5
+    assert int(accumulator.micro_step.numpy()) == 3
+    for variable in variables:
+        np.testing.assert_array_equal(variable.numpy(), np.zeros(variable.shape))
+
+
+def test_the_update_hands_each_class_s_sum_over_its_divisor_then_empties_the_group():
+    # Two normaliser classes: the first variable is reached by both, the
+    # second by class 1 only. The update's gradient is sum_c G_c / W_c, a
+    # class with divisor 0 contributes 0 (not NaN), and the group is empty
+    # after it.
+    accumulator, variables, optimizer = _sgd_accumulator([(2,), (2,)], accum_steps=2)
+    accumulator.configure_classes([(0, 1), (1,)], variables)
+    g = {
+        (0, 0): np.array([1.0, 2.0], "float32"),
+        (1, 0): np.array([0.5, -1.0], "float32"),
+        (1, 1): np.array([3.0, 4.0], "float32"),
+    }
+
+    @tf.function
+    def micro_step(class_grads, divisors, is_update_step):
+        accumulator.step_classes(class_grads, divisors, is_update_step, optimizer, variables)
+
+    micro_step([[g[0, 0], None], [g[1, 0], g[1, 1]]], [2.0, 0.0], tf.constant(False))
+    micro_step([[g[0, 0], None], [g[1, 0], g[1, 1]]], [2.0, 0.0], tf.constant(True))
+    # Class 1's divisor is 0: only class 0 moves the first variable; the
+    # second, reached by class 1 alone, gets a zero gradient.
+    np.testing.assert_allclose(variables[0].numpy(), -(2 * g[0, 0]) / 4.0, rtol=1e-6)
+    np.testing.assert_array_equal(variables[1].numpy(), [0.0, 0.0])
+    assert int(optimizer.iterations.numpy()) == 1
+    assert int(accumulator.micro_step.numpy()) == 0
+    for total in [accumulator.weight_sum, *accumulator.class_weight_sums]:
+        assert float(total.numpy()) == 0.0
+    for acc in [*accumulator.gradient_sums, *accumulator.class_gradient_sums]:
+        np.testing.assert_array_equal(acc.numpy(), np.zeros(acc.shape))
+
+
+def _step_function(accumulator, variables, optimizer):
+    @tf.function
+    def step(grads, is_update_step):
+        accumulator.step(grads, 1.0, is_update_step, optimizer, variables)
+
+    return step
+
+
+def test_a_group_saved_mid_way_and_restored_ends_as_the_uninterrupted_one():
+    # save_state / load_state (what `.keras` files, save_weights and
+    # checkpoints carry): a fresh accumulator restored after two of three
+    # micro-steps makes the same update as the one that never stopped.
+    rng = np.random.default_rng(1)
+    grads = [[rng.normal(size=(3, 2)).astype("float32")] for _ in range(3)]
+    runs = {}
+    for interrupted in (False, True):
+        accumulator, variables, optimizer = _sgd_accumulator([(3, 2)])
+        step = _step_function(accumulator, variables, optimizer)
+        step(grads[0], tf.constant(False))
+        step(grads[1], tf.constant(False))
+        if interrupted:
+            store = {}
+            accumulator.save_state(store)
+            accumulator = GradientAccumulator(3, variables)
+            accumulator.load_state(store, "model", variables)
+            assert int(accumulator.micro_step.numpy()) == 2
+            step = _step_function(accumulator, variables, optimizer)
+        step(grads[2], tf.constant(True))
+        runs[interrupted] = variables[0].numpy()
+    np.testing.assert_array_equal(runs[True], runs[False])
+    np.testing.assert_allclose(runs[False], -sum(g[0] for g in grads) / 3.0, rtol=1e-6)
