@@ -478,9 +478,7 @@ class GradientAccumulateModel(keras.Model):
         if iterator is not None and data_batch is None and self._needs_class_discovery():
             # No strategy: Keras builds in the first trace; the class
             # discovery needs a batch now (fit resets the iterator after).
-            batch = first_batch(iterator)
-            if batch is not None:
-                data_batch = batch
+            data_batch = first_batch(iterator)
             iterator = None
         result = super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
         if data_batch is not None and self._needs_class_discovery():

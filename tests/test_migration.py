@@ -7,6 +7,7 @@ value included). ``test_the_docs_table_lists_exactly_these_rows`` ties the
 page to this table.
 """
 
+import importlib
 import re
 import warnings
 
@@ -297,30 +298,33 @@ def test_the_docs_table_lists_exactly_these_rows():
 
 
 @pytest.mark.parametrize(
-    "old, new",
+    "old, new, names",
     [
-        ("gradient_accumulator.utils", "gradient_accumulator.conversion"),
-        ("gradient_accumulator.distribute", "gradient_accumulator.batchnorm_averaging"),
-        ("gradient_accumulator.agc", "gradient_accumulator._v05"),
-        ("gradient_accumulator.accumulators", "gradient_accumulator"),
+        (
+            "gradient_accumulator.utils",
+            "gradient_accumulator.conversion",
+            ["replace_batchnorm_layers", "restore_batchnorm_layers"],
+        ),
+        (
+            "gradient_accumulator.distribute",
+            "gradient_accumulator.batchnorm_averaging",
+            ["average_batchnorm_statistics", "AverageBatchNormStatistics"],
+        ),
+        (
+            "gradient_accumulator.agc",
+            "gradient_accumulator._v05",
+            ["adaptive_clip_grad", "unitwise_norm", "compute_norm"],
+        ),
+        (
+            "gradient_accumulator.accumulators",
+            "gradient_accumulator",
+            ["GradientAccumulateModel", "GradientAccumulateOptimizer"],
+        ),
     ],
+    ids=lambda value: value if isinstance(value, str) else None,
 )
-def test_moved_names_stay_importable_from_their_earlier_modules(old, new):
+def test_moved_names_stay_importable_from_their_earlier_modules(old, new, names):
     """Each name an earlier module held is the same object at its present home."""
-    import importlib
-
-    names = {
-        "gradient_accumulator.utils": ["replace_batchnorm_layers", "restore_batchnorm_layers"],
-        "gradient_accumulator.distribute": [
-            "average_batchnorm_statistics",
-            "AverageBatchNormStatistics",
-        ],
-        "gradient_accumulator.agc": ["adaptive_clip_grad", "unitwise_norm", "compute_norm"],
-        "gradient_accumulator.accumulators": [
-            "GradientAccumulateModel",
-            "GradientAccumulateOptimizer",
-        ],
-    }[old]
     earlier, present = importlib.import_module(old), importlib.import_module(new)
     for name in names:
         assert getattr(earlier, name) is getattr(present, name), name
