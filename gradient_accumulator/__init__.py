@@ -23,6 +23,10 @@ from gradient_accumulator.conversion import (  # noqa: E402
     restore_batchnorm_layers,
 )
 from gradient_accumulator.layers import AccumBatchNormalization  # noqa: E402
+from gradient_accumulator.micro_batch import (  # noqa: E402
+    MicroBatchChoice,
+    choose_micro_batch,
+)
 from gradient_accumulator.model import GradientAccumulateModel  # noqa: E402
 from gradient_accumulator.optimizer import GradientAccumulateOptimizer  # noqa: E402
 
@@ -31,8 +35,10 @@ __all__ = [
     "AverageBatchNormStatistics",
     "GradientAccumulateModel",
     "GradientAccumulateOptimizer",
+    "MicroBatchChoice",
     "adaptive_clip_gradients",
     "average_batchnorm_statistics",
+    "choose_micro_batch",
     "replace_batchnorm_layers",
     "restore_batchnorm_layers",
     "__version__",

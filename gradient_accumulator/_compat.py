@@ -422,3 +422,28 @@ def replace_optimizer_all_reduce(optimizer, replacement):
         vars(optimizer).pop(OPTIMIZER_ALL_REDUCE_METHOD, None)
     else:
         vars(optimizer)[OPTIMIZER_ALL_REDUCE_METHOD] = replacement
+
+
+@contextlib.contextmanager
+def custom_gradients_dropped():
+    """Drops the custom gradients that TensorFlow registers inside the block, on leaving it.
+
+    ``tf.custom_gradient`` in a traced function registers its gradient
+    function in TensorFlow's global gradient registry for good, and that
+    function holds the traced graph and, through its captures, every
+    variable the graph reads (tensorflow/tensorflow#97697, #80895): a
+    model trained with ``fit`` (Keras's optimizer all-reduces through one)
+    keeps its weights and optimizer state in memory after it is deleted.
+    No public API removes them; the registry is ``ops._gradient_registry``.
+    Use only around functions that are not called after the block.
+    """
+    from tensorflow.python.framework import ops as tf_ops
+
+    registry = tf_ops._gradient_registry._registry
+    before = set(registry)
+    try:
+        yield
+    finally:
+        for name in set(registry) - before:
+            if name.startswith("CustomGradient-"):
+                del registry[name]

@@ -63,6 +63,35 @@ def build_dense(cls=keras.Model, seed=0, features=5, outputs=1, **kwargs):
     return cls(inputs=inputs, outputs=out, **kwargs)
 
 
+def build_wide_conv(cls=keras.Model, seed=0, size=48, batchnorm=False, **kwargs):
+    """A convolutional net whose memory is its activations (288 KiB a sample per layer).
+
+    Two 3x3 convolutions of 32 channels on ``size`` x ``size`` x 3 inputs,
+    global pooling, 10 outputs; 10 k weights. At ``size=48`` one sample's
+    activation is 288 KiB, above the 256 KiB from which TensorFlow's CPU
+    allocator counts a tensor: its allocator peak grows with the batch from
+    one sample on. ``batchnorm``: a BatchNormalization after each convolution.
+    """
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((size, size, 3), name="image")
+    hidden = inputs
+    for index in range(2):
+        hidden = keras.layers.Conv2D(32, 3, padding="same", name=f"conv{index}")(hidden)
+        if batchnorm:
+            hidden = keras.layers.BatchNormalization(name=f"bn{index}")(hidden)
+        hidden = keras.layers.Activation("relu")(hidden)
+    pooled = keras.layers.GlobalAveragePooling2D()(hidden)
+    out = keras.layers.Dense(10, name="out")(pooled)
+    return cls(inputs=inputs, outputs=out, **kwargs)
+
+
+def make_image_data(num_samples, size=48, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(num_samples, size, size, 3)).astype("float32")
+    y = rng.normal(size=(num_samples, 10)).astype("float32")
+    return x, y
+
+
 # Keras divides an activity regularizer's loss by the batch size from 3.14 on;
 # before, it is a sum over the batch, a loss that is not a mean over samples
 # (not identical to the big batch), so the classifier has one only where

@@ -1,0 +1,276 @@
+"""choose_micro_batch: budgets that force each choice, against a training run measured apart.
+
+The network (``build_wide_conv``) is activation-bound: its allocator peak
+grows with the micro-batch from one sample on, so that every budget between
+two micro-batches' peaks has one right answer. The tries' peaks are measured
+here first, through the same training step (``_try``); the choice is then
+checked against them and, independently, against the allocator's peak of a
+real ``fit`` of the chosen split.
+"""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gradient_accumulator import (
+    GradientAccumulateModel,
+    MicroBatchChoice,
+    choose_micro_batch,
+    replace_batchnorm_layers,
+)
+from gradient_accumulator.micro_batch import _memory_devices, _try, parse_memory_budget
+from tests.helpers import (
+    build_wide_conv,
+    make_image_data,
+    max_abs_diff,
+)
+
+BATCH = 32
+X, Y = make_image_data(2 * BATCH)
+DEVICES = _memory_devices()
+
+
+def build_accumulating(accum_steps, steps_per_execution=1, optimizer="sgd"):
+    model = build_wide_conv(GradientAccumulateModel, accum_steps=accum_steps)
+    model.compile(optimizer=optimizer, loss="mse", steps_per_execution=steps_per_execution)
+    return model
+
+
+def allocator_peak_of_fit(model, micro_batch):
+    """The allocator's peak over a real ``fit`` of two updates (measured apart from the tries).
+
+    The data streamed, as from disk: ``fit`` on arrays would copy them whole
+    into TensorFlow's memory, which is the data set's, not the training's.
+    """
+    count = len(X) // micro_batch
+
+    def micro_batches():
+        for index in range(count):
+            rows = slice(index * micro_batch, (index + 1) * micro_batch)
+            yield X[rows], Y[rows]
+
+    signature = (
+        tf.TensorSpec((micro_batch, *X.shape[1:]), tf.float32),
+        tf.TensorSpec((micro_batch, *Y.shape[1:]), tf.float32),
+    )
+    stream = tf.data.Dataset.from_generator(micro_batches, output_signature=signature)
+    stream = stream.apply(tf.data.experimental.assert_cardinality(count))
+    for device in DEVICES:
+        tf.config.experimental.reset_memory_stats(device)
+    model.fit(stream, shuffle=False, verbose=0)
+    return max(tf.config.experimental.get_memory_info(d)["peak"] for d in DEVICES)
+
+
+@pytest.fixture(scope="module")
+def peaks():
+    """Each divisor of the batch: the allocator peak of its try (one update)."""
+    return {
+        m: _try(build_accumulating, BATCH // m, m, (X[:BATCH], Y[:BATCH], None), DEVICES)[0]
+        for m in (32, 16, 8, 4, 2, 1)
+    }
+
+
+def test_the_tries_peaks_grow_with_the_micro_batch(peaks):
+    sizes = sorted(peaks)
+    assert peaks[1] > 0
+    for smaller, larger in zip(sizes, sizes[1:]):
+        assert peaks[larger] > peaks[smaller], peaks
+
+
+@pytest.mark.parametrize("micro_batch", [32, 8, 2, 1])
+def test_a_budget_between_two_peaks_chooses_the_smaller(peaks, micro_batch):
+    larger = peaks.get(2 * micro_batch, 10 * peaks[micro_batch])
+    budget = int(math.sqrt(peaks[micro_batch] * larger))
+    choice = choose_micro_batch(
+        build_accumulating, X, Y, batch_size=BATCH, memory_budget=budget, verbose=0
+    )
+    assert isinstance(choice, MicroBatchChoice)
+    assert (choice.micro_batch, choice.accum_steps) == (micro_batch, BATCH // micro_batch)
+    assert choice.accum_steps * choice.micro_batch == BATCH
+    assert choice.peak_bytes <= budget < larger
+    assert [t.micro_batch for t in choice.tries] == [m for m in (32, 16, 8, 4, 2, 1)][
+        : [32, 16, 8, 4, 2, 1].index(micro_batch) + 1
+    ]
+    assert [t.fits for t in choice.tries] == [False] * (len(choice.tries) - 1) + [True]
+    # The chosen split, trained for real, stays within the budget.
+    assert allocator_peak_of_fit(build_accumulating(choice.accum_steps), micro_batch) <= budget
+
+
+def test_the_choice_says_what_it_chose_and_measured(peaks, capsys):
+    budget = int(math.sqrt(peaks[8] * peaks[16]))
+    choice = choose_micro_batch(build_accumulating, X, Y, batch_size=BATCH, memory_budget=budget)
+    printed = capsys.readouterr().out.strip()
+    assert printed == str(choice)
+    assert printed.startswith(f"Batch {BATCH} = accum_steps 4 x micro-batch 8: peak ")
+    assert "(tried 32: " in printed and " over, 16: " in printed and "3 tries in" in printed
+
+
+def test_even_micro_batch_one_not_fitting_raises_before_any_weight_moves():
+    base = build_wide_conv()
+    before = [w.copy() for w in base.get_weights()]
+
+    def build(accum_steps):
+        inputs = keras.Input((48, 48, 3))
+        model = GradientAccumulateModel(
+            accum_steps=accum_steps, inputs=inputs, outputs=base(inputs)
+        )
+        model.compile(optimizer="adam", loss="mse")
+        return model
+
+    with pytest.raises(ValueError, match="Even micro-batch 1 does not fit in memory_budget=1024 "):
+        choose_micro_batch(build, X, Y, batch_size=4, memory_budget=1024)
+    # The tries trained the shared layers, then put them back.
+    assert max_abs_diff(before, base.get_weights()) == 0.0
+
+
+class OutOfMemoryAbove4(GradientAccumulateModel):
+    """Raises what TensorFlow raises on a GPU that runs out, for micro-batches above 4."""
+
+    def fit(self, x, *args, **kwargs):
+        if isinstance(x, tf.data.Dataset) and x.element_spec[0].shape[0] > 4:
+            raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor")
+        return super().fit(x, *args, **kwargs)
+
+
+def test_an_out_of_memory_try_is_passed_over():
+    def build(accum_steps):
+        model = build_wide_conv(OutOfMemoryAbove4, accum_steps=accum_steps)
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    choice = choose_micro_batch(build, X, Y, batch_size=16, memory_budget="1 GiB", verbose=0)
+    assert choice.micro_batch == 4
+    assert [(t.micro_batch, t.peak_bytes) for t in choice.tries[:2]] == [(16, None), (8, None)]
+    assert "16: out of memory, 8: out of memory, 4: " in str(choice)
+    # The process goes on training.
+    model = build(choice.accum_steps)
+    model.fit(X, Y, batch_size=choice.micro_batch, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == len(X) // 16
+
+
+def test_a_batchnorm_model_at_the_choice_keeps_the_batch_statistics(peaks):
+    """A converted BN model at the chosen split: its first BN layer's moving statistics are
+    Keras's at ``batch_size`` after one update (the layer's own claim: the deeper layer's
+    input depends on the micro-batches' forward passes)."""
+
+    def build(accum_steps):
+        wrapped = build_wide_conv(GradientAccumulateModel, batchnorm=True, accum_steps=accum_steps)
+        model = replace_batchnorm_layers(wrapped, accum_steps=accum_steps)
+        model.compile(optimizer="adam", loss="mse")
+        return model
+
+    budget = int(math.sqrt(peaks[8] * peaks[16]))
+    choice = choose_micro_batch(build, X, Y, batch_size=BATCH, memory_budget=budget, verbose=0)
+    assert choice.accum_steps > 1
+    model = build(choice.accum_steps)
+    model.fit(X[:BATCH], Y[:BATCH], batch_size=choice.micro_batch, shuffle=False, verbose=0)
+    reference = build_wide_conv(batchnorm=True)
+    reference.compile(optimizer="adam", loss="mse")
+    reference.fit(X[:BATCH], Y[:BATCH], batch_size=BATCH, shuffle=False, verbose=0)
+    statistics = [
+        np.asarray(getattr(m.get_layer("bn0"), name))
+        for m in (model, reference)
+        for name in ("moving_mean", "moving_variance")
+    ]
+    assert max_abs_diff(statistics[:2], [np.zeros(32), np.ones(32)]) > 1e-3  # they moved
+    # float32 statistics against float32 Keras: relative 2e-6 (STATS_RTOL, test_layers.py).
+    for ours, keras_own in zip(statistics[:2], statistics[2:]):
+        assert np.max(np.abs(ours - keras_own) / np.maximum(np.abs(keras_own), 1.0)) <= 2e-6
+
+
+def test_steps_per_execution_tries_whole_calls():
+    tried = []
+
+    def build(accum_steps):
+        model = build_accumulating(accum_steps, steps_per_execution=2)
+        tried.append(model)
+        return model
+
+    choice = choose_micro_batch(build, X, Y, batch_size=16, memory_budget="1 GiB", verbose=0)
+    assert choice.micro_batch == 16
+    # One call of two groups: two updates.
+    assert int(tried[0].optimizer.iterations.numpy()) == 2
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("1.5 GiB", 3 * 2**29), ("512MiB", 512 * 2**20), ("2 GB", 2 * 10**9), (4096, 4096)],
+)
+def test_memory_budget_units(text, expected):
+    assert parse_memory_budget(text) == expected
+
+
+def _refused(**overrides):
+    arguments = dict(build=build_accumulating, x=X, y=Y, batch_size=8, memory_budget="1 GiB")
+    arguments.update(overrides)
+    return arguments
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"batch_size": 0}, r"`batch_size` must be an integer >= 1. Received: batch_size=0"),
+        ({"batch_size": 8.0}, r"`batch_size` must be an integer >= 1. Received: batch_size=8.0"),
+        ({"memory_budget": "lots"}, r"`memory_budget` must be .* Received: memory_budget='lots'"),
+        ({"memory_budget": -1}, r"`memory_budget` must be .* Received: memory_budget=-1"),
+        ({"memory_budget": "2 XB"}, r"`memory_budget` must be .* Received: memory_budget='2 XB'"),
+        ({"verbose": 2}, r"`verbose` must be 0 or 1. Received: verbose=2"),
+        ({"build": "model"}, r"`build` must be a callable .* Received: build of type str"),
+        (
+            {"build": lambda k: build_wide_conv()},
+            r"`build` must return a GradientAccumulateModel .* Received: an object of type "
+            r"Functional from build\(1\)",
+        ),
+        (
+            {"build": lambda k: build_accumulating(2)},
+            r"must return a model with that `accum_steps`. Received: accum_steps=2 from build\(1\)",
+        ),
+        (
+            {"build": lambda k: build_wide_conv(GradientAccumulateModel, accum_steps=k)},
+            r"`build` must return a compiled model .* "
+            r"Received: an uncompiled model from build\(1\)",
+        ),
+        (
+            {"x": tf.data.Dataset.from_tensor_slices(X)},
+            r"`x` must be a NumPy array or tensor .* Received: x of type \w*Dataset",
+        ),
+        (
+            {"y": Y[:5]},
+            r"must have the same number of rows, at least one. Received: row counts \[5, 64\]",
+        ),
+    ],
+)
+def test_arguments_are_checked(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        choose_micro_batch(**_refused(**overrides))
+
+
+def test_a_budget_is_required_without_a_gpu():
+    assert DEVICES == ["/device:CPU:0"]
+    message = "`memory_budget` is required without a GPU.*memory_budget=None"
+    with pytest.raises(ValueError, match=message):
+        choose_micro_batch(build_accumulating, X, Y, batch_size=8)
+
+
+def test_the_tries_leave_no_model_in_memory():
+    """TensorFlow keeps a trained model's variables for good unless its custom gradients go."""
+    x = np.ones((8, 512), "float32")
+    y = np.ones((8, 10), "float32")
+
+    def build(accum_steps):
+        # A 2 MiB kernel: counted by the allocator (tensors >= 256 KiB).
+        inputs = keras.Input((512,))
+        outputs = keras.layers.Dense(10)(keras.layers.Dense(1024)(inputs))
+        model = GradientAccumulateModel(accum_steps=accum_steps, inputs=inputs, outputs=outputs)
+        model.compile(optimizer="adam", loss="mse")
+        return model
+
+    before = tf.config.experimental.get_memory_info(DEVICES[0])["current"]
+    with pytest.raises(ValueError, match="Even micro-batch 1"):
+        choose_micro_batch(build, x, y, batch_size=4, memory_budget=1, verbose=0)
+    # Three models tried (4, 2, 1), each with 2 MiB of kernel, 4 of Adam's
+    # moments and 2 of sums (above 1): none is left.
+    assert tf.config.experimental.get_memory_info(DEVICES[0])["current"] == before
