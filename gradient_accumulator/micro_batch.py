@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from gradient_accumulator._compat import custom_gradients_dropped
+from gradient_accumulator._compat import custom_gradients_dropped, in_multi_worker_mode
 
 _UNITS = {
     "b": 1,
@@ -24,6 +24,18 @@ _UNITS = {
 _MIB = 2**20
 
 
+def _bytes(memory_budget):
+    """``memory_budget`` in bytes, or ``None`` where it is not a budget."""
+    if isinstance(memory_budget, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", memory_budget)
+        if match is None or match.group(2).lower() not in _UNITS:
+            return None
+        return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral):
+        return None
+    return int(memory_budget)
+
+
 def parse_memory_budget(memory_budget):
     """``memory_budget`` in bytes (``int``), ``None`` for none, or a ValueError naming it.
 
@@ -33,21 +45,14 @@ def parse_memory_budget(memory_budget):
     """
     if memory_budget is None:
         return None
-    rule = (
-        "`memory_budget` must be an integer number of bytes > 0 or a string such as "
-        "'512 MiB' or '2 GB' (units: B, KB, MB, GB, KiB, MiB, GiB). "
-        f"Received: memory_budget={memory_budget!r}"
-    )
-    if isinstance(memory_budget, str):
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", memory_budget)
-        if match is None or match.group(2).lower() not in _UNITS:
-            raise ValueError(rule)
-        memory_budget = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    elif isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral):
-        raise ValueError(rule)
-    if memory_budget <= 0:
-        raise ValueError(rule)
-    return int(memory_budget)
+    size = _bytes(memory_budget)
+    if size is None or size <= 0:
+        raise ValueError(
+            "`memory_budget` must be an integer number of bytes > 0 or a string such as "
+            "'512 MiB' or '2 GB' (units: B, KB, MB, GB, KiB, MiB, GiB). "
+            f"Received: memory_budget={memory_budget!r}"
+        )
+    return size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +212,16 @@ def _try(build, accum_steps, micro_batch, data, devices):
     finds them as they were.
     """
     model = _built(build, accum_steps)
-    replicas = model.distribute_strategy.num_replicas_in_sync
+    strategy = model.distribute_strategy
+    if in_multi_worker_mode(strategy):
+        raise ValueError(
+            "`choose_micro_batch` does not run under MultiWorkerMirroredStrategy: every "
+            "worker would try on its own and could choose differently. Choose on one "
+            "machine of the cluster's kind (MirroredStrategy over its devices, the batch "
+            "divided by the workers), then build every worker's model with the chosen "
+            f"`accum_steps`. Received: a model under {type(strategy).__name__}"
+        )
+    replicas = strategy.num_replicas_in_sync
     if micro_batch % replicas:
         raise ValueError(
             f"`batch_size` must be a multiple of the replicas ({replicas}): every "

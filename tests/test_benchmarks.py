@@ -77,6 +77,10 @@ EXPECTED = {
         {"accum_steps", "micro_batch", "quick", "results"},
         {"mode", "memory", "two_over_one_class", "one_class_over_plain", "two_classes_over_plain"},
     ),
+    "micro_batch": (
+        {"quick", "results"},
+        {"model", "batch_size", "choices"},
+    ),
     "bn_overhead": (
         {"accum_steps", "widths", "micro_batch", "goal", "single_device", "mirrored"},
         {"mode", "accum_over_keras", "accumulate_only_over_keras", "update_step_over_keras"},

@@ -4,6 +4,7 @@ A failure here says which private name a new Keras or TensorFlow release
 removed or changed: fix ``_compat.py`` (and only it) for that release.
 """
 
+import gc
 import inspect
 
 import keras
@@ -267,3 +268,40 @@ def test_keras_saving_walks_keras_saveable_attributes():
     assert issubclass(keras.layers.Layer, _compat.KerasSaveable), _changed(
         "keras.src.saving.keras_saveable.KerasSaveable", "layers no longer derive from it"
     )
+
+
+def test_custom_gradients_dropped_frees_a_traced_step_s_variables():
+    # TensorFlow's registry of custom gradients holds every traced function
+    # that used one, and so its variables (tensorflow/tensorflow#97697).
+    from tensorflow.python.framework import ops as tf_ops
+
+    assert hasattr(tf_ops, "_gradient_registry"), _changed(
+        "tensorflow.python.framework.ops._gradient_registry", "it is gone"
+    )
+
+    @tf.custom_gradient
+    def doubled(x):
+        return 2.0 * x, lambda upstream: 2.0 * upstream
+
+    def traced_step():
+        variable = tf.Variable(tf.zeros([2**18]))  # 1 MiB: counted by the CPU allocator
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(doubled(variable))
+            variable.assign_add(tape.gradient(loss, variable))
+
+        step()
+
+    def memory():
+        gc.collect()
+        return tf.config.experimental.get_memory_info("CPU:0")["current"]
+
+    before = memory()
+    traced_step()
+    kept = _changed("tf.custom_gradient", "traced functions no longer kept: drop the workaround")
+    assert memory() == before + 2**20, kept  # what the context manager is for
+    with _compat.custom_gradients_dropped():
+        traced_step()
+    assert memory() == before + 2**20

@@ -23,9 +23,13 @@ from gradient_accumulator import (
 )
 from gradient_accumulator.micro_batch import _memory_devices, _try, parse_memory_budget
 from tests.helpers import (
+    FLOAT32_ATOL,
+    assert_diff_below,
     build_wide_conv,
     make_image_data,
     max_abs_diff,
+    run_script_module,
+    script_results,
 )
 
 BATCH = 32
@@ -274,3 +278,27 @@ def test_the_tries_leave_no_model_in_memory():
     # Three models tried (4, 2, 1), each with 2 MiB of kernel, 4 of Adam's
     # moments and 2 of sums (above 1): none is left.
     assert tf.config.experimental.get_memory_info(DEVICES[0])["current"] == before
+
+
+def test_multi_worker_training_is_refused(monkeypatch):
+    """Every worker would try on its own and could choose differently: refused, with the way."""
+    monkeypatch.setattr("gradient_accumulator.micro_batch.in_multi_worker_mode", lambda s: True)
+    with pytest.raises(ValueError, match="does not run under MultiWorkerMirroredStrategy"):
+        choose_micro_batch(build_accumulating, X, Y, batch_size=8, memory_budget="1 GiB")
+
+
+@pytest.mark.slow
+def test_under_mirrored_strategy_the_batch_is_global():
+    result = script_results(run_script_module("mirrored_micro_batch"))
+    peaks = {int(m): peak for m, peak in result["peaks"].items()}
+    assert peaks[16] > peaks[8]
+    # The budget lies between the global micro-batches 8 and 16; odd sizes are never tried.
+    assert result["choice"] == [8, 4, [32, 16, 8]]
+    assert_diff_below(result["diff"], FLOAT32_ATOL, result)
+    assert result["moved"] > 1e-3
+    assert result["too_small"].startswith("Even micro-batch 2 does not fit in memory_budget=1 ")
+    assert "(tried 32: " in result["too_small"] and ", 2: " in result["too_small"]
+    assert result["odd_batch"] == (
+        "`batch_size` must be a multiple of the replicas (2): every micro-batch is split "
+        "evenly over them. Received: batch_size=9"
+    )
