@@ -5,7 +5,7 @@ Run: ``python -m tests.scripts.mirrored_micro_batch``. Prints one results line
 
 - ``peaks``: each tried global micro-batch's allocator peak (bytes);
 - ``choice``: ``[micro_batch, accum_steps, tried micro-batches]`` for a budget
-  between the peaks of 8 and 16;
+  between the peaks of 4 and 8;
 - ``diff`` / ``moved``: max |weight difference| of that split trained under the
   strategy from plain Keras at the global batch on one device, and how far the
   reference moved from its initial weights;
@@ -23,7 +23,7 @@ from gradient_accumulator.micro_batch import _memory_devices, _try
 from tests.helpers import build_wide_conv, make_image_data, max_abs_diff
 from tests.scripts import REPLICAS, print_results, split_cpu
 
-BATCH = 32
+BATCH = 16
 
 
 def main():
@@ -37,8 +37,8 @@ def main():
         return model
 
     data = (x[:BATCH], y[:BATCH], None)
-    peaks = {m: _try(build, BATCH // m, m, data, _memory_devices())[0] for m in (16, 8)}
-    budget = int(math.sqrt(peaks[8] * peaks[16]))
+    peaks = {m: _try(build, BATCH // m, m, data, _memory_devices())[0] for m in (8, 4)}
+    budget = int(math.sqrt(peaks[4] * peaks[8]))
     choice = choose_micro_batch(build, x, y, batch_size=BATCH, memory_budget=budget, verbose=0)
 
     model = build(choice.accum_steps)
