@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from gradient_accumulator._compat import custom_gradients_dropped, in_multi_worker_mode
+from gradient_accumulator.validation import check_positive_integer
 
 _UNITS = {
     "b": 1,
@@ -167,18 +168,6 @@ def _check_arrays(x, y, sample_weight):
         )
 
 
-def _check_batch_size(batch_size):
-    if (
-        isinstance(batch_size, bool)
-        or not isinstance(batch_size, numbers.Integral)
-        or batch_size < 1
-    ):
-        raise ValueError(
-            f"`batch_size` must be an integer >= 1. Received: batch_size={batch_size!r}"
-        )
-    return int(batch_size)
-
-
 def _built(build, accum_steps):
     """``build(accum_steps)``, checked: a compiled GradientAccumulateModel with ``accum_steps``."""
     from gradient_accumulator.model import GradientAccumulateModel
@@ -313,7 +302,7 @@ def choose_micro_batch(
     >>> model = build(choice.accum_steps)
     >>> history = model.fit(x, y, batch_size=choice.micro_batch, verbose=0)
     """
-    batch_size = _check_batch_size(batch_size)
+    batch_size = check_positive_integer("batch_size", batch_size)
     budget = parse_memory_budget(memory_budget)
     if verbose not in (0, 1):
         raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")

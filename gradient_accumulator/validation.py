@@ -5,21 +5,23 @@ import math
 import numbers
 
 
+def check_positive_integer(name, value):
+    """Returns ``value`` as an ``int`` or raises a ValueError naming it unless it is >= 1.
+
+    Booleans, floats (even ``4.0``), strings and ``None`` are refused.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
+    return int(value)
+
+
 def check_accum_steps(accum_steps):
     """Returns ``accum_steps`` as an ``int`` or raises a ValueError naming it.
 
     Booleans, floats (even ``4.0``), strings and ``None`` are refused: a
     silently coerced ``accum_steps`` changes the effective batch size.
     """
-    if (
-        isinstance(accum_steps, bool)
-        or not isinstance(accum_steps, numbers.Integral)
-        or accum_steps < 1
-    ):
-        raise ValueError(
-            f"`accum_steps` must be an integer >= 1. Received: accum_steps={accum_steps!r}"
-        )
-    return int(accum_steps)
+    return check_positive_integer("accum_steps", accum_steps)
 
 
 def check_positive_float(name, value):
