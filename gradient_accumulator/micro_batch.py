@@ -23,6 +23,7 @@ _UNITS = {
     "gib": 2**30,
 }
 _MIB = 2**20
+TRIED_CALLS = 2  # train-function calls per try
 
 
 def _bytes(memory_budget):
@@ -193,7 +194,7 @@ def _built(build, accum_steps):
 
 
 def _try(build, accum_steps, micro_batch, data, devices):
-    """Builds the model for ``accum_steps`` and trains it for one call of its train function.
+    """Builds the model for ``accum_steps`` and trains it for two calls of its train function.
 
     Returns ``(peak, replicas)``: the allocator's peak (``None`` if out of
     memory) and the model's replicas. The model's variables are put back
@@ -216,7 +217,9 @@ def _try(build, accum_steps, micro_batch, data, devices):
             f"`batch_size` must be a multiple of the replicas ({replicas}): every "
             f"micro-batch is split evenly over them. Received: batch_size={micro_batch}"
         )
-    stream = _stream(data, micro_batch, accum_steps * model.steps_per_execution)
+    # Two calls: the peak moves from one update to the next (the order in
+    # which TensorFlow runs a step's operations), the first also traces.
+    stream = _stream(data, micro_batch, TRIED_CALLS * accum_steps * model.steps_per_execution)
     saved = [v.numpy() for v in model.variables]
     for device in devices:
         tf.config.experimental.reset_memory_stats(device)
@@ -244,8 +247,9 @@ def choose_micro_batch(
 
     Tries the divisors of ``batch_size`` from the largest (``accum_steps=1``)
     down: each try builds ``build(batch_size // micro_batch)`` and runs
-    one call of its ``fit`` on ``batch_size * steps_per_execution`` rows of
-    ``x`` (one update per group in the call, the model's settings:
+    two calls of its train function in ``fit`` (two updates, each
+    ``steps_per_execution`` ones if compiled so) on micro-batches cut from
+    ``x``'s rows (with the model's settings:
     ``jit_compile``, dtype policy, strategy), then puts the model's variables
     back. A try fits when it raises no out-of-memory error and the
     allocator's peak (the highest over the GPUs, else the CPU's) is within
@@ -262,7 +266,7 @@ def choose_micro_batch(
     Args:
         build: Callable ``accum_steps -> GradientAccumulateModel``,
             compiled, built inside the strategy's scope if any. Called once
-            per try; a model it returns is trained for one update, then its
+            per try; a model it returns is trained for two updates, then its
             variables are restored (layers it shares with a model of yours
             are unchanged).
         x, y, sample_weight: NumPy arrays or tensors (or lists or dicts of

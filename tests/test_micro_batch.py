@@ -33,7 +33,7 @@ from tests.helpers import (
 )
 
 BATCH = 8
-X, Y = make_image_data(2 * BATCH)
+X, Y = make_image_data(4 * BATCH)
 DEVICES = _memory_devices()
 
 
@@ -44,7 +44,7 @@ def build_accumulating(accum_steps, steps_per_execution=1, optimizer="sgd"):
 
 
 def allocator_peak_of_fit(model, micro_batch):
-    """The allocator's peak over a real ``fit`` of two updates (measured apart from the tries).
+    """The allocator's peak over a real ``fit`` of four updates (measured apart from the tries).
 
     The data streamed, as from disk: ``fit`` on arrays would copy them whole
     into TensorFlow's memory, which is the data set's, not the training's.
@@ -70,7 +70,7 @@ def allocator_peak_of_fit(model, micro_batch):
 
 @pytest.fixture(scope="module")
 def peaks():
-    """Each divisor of the batch: the allocator peak of its try (one update)."""
+    """Each divisor of the batch: the allocator peak of its try (two updates)."""
     return {
         m: _try(build_accumulating, BATCH // m, m, (X[:BATCH], Y[:BATCH], None), DEVICES)[0]
         for m in (8, 4, 2, 1)
@@ -196,8 +196,8 @@ def test_steps_per_execution_tries_whole_calls():
 
     choice = choose_micro_batch(build, X, Y, batch_size=16, memory_budget="1 GiB", verbose=0)
     assert choice.micro_batch == 16
-    # One call of two groups: two updates.
-    assert int(tried[0].optimizer.iterations.numpy()) == 2
+    # Two calls of two groups each: four updates.
+    assert int(tried[0].optimizer.iterations.numpy()) == 4
 
 
 @pytest.mark.parametrize(
@@ -244,7 +244,7 @@ def _refused(**overrides):
         ),
         (
             {"y": Y[:5]},
-            r"must have the same number of rows, at least one. Received: row counts \[5, 16\]",
+            r"must have the same number of rows, at least one. Received: row counts \[5, 32\]",
         ),
     ],
 )
