@@ -90,6 +90,33 @@ def run_setup(name, setup):
     return {"model": name, "batch_size": setup["batch"], "choices": rows}
 
 
+def plotter(results):
+    """``plot(ax)``: each budget's chosen split's peak against the budget."""
+
+    def plot(ax):
+        chosen = {r["model"]: [c for c in r["choices"][1:] if c["micro_batch"]] for r in results}
+        for r in results:
+            budgets = [c["budget_mb"] for c in chosen[r["model"]]]
+            peaks = [c["peak_mb"] for c in chosen[r["model"]]]
+            ax.plot(budgets, peaks, "o", label=f"{r['model']} (batch {r['batch_size']})")
+            for c in chosen[r["model"]]:
+                ax.annotate(
+                    f"{c['accum_steps']}x{c['micro_batch']}",
+                    (c["budget_mb"], c["peak_mb"]),
+                    fontsize="small",
+                    textcoords="offset points",
+                    xytext=(4, -10),
+                )
+        top = max(c["budget_mb"] for r in results for c in r["choices"][1:])
+        ax.plot([0, top], [0, top], color="gray", linewidth=0.8, linestyle="--", label="budget")
+        ax.set_xlabel("memory budget (MiB)")
+        ax.set_ylabel("chosen split's allocator peak (MiB)")
+        ax.set_title("choose_micro_batch: accum_steps x micro-batch per budget")
+        ax.legend(fontsize="small")
+
+    return plot
+
+
 def main():
     p = parser(__doc__.splitlines()[0])
     p.add_argument(
@@ -128,32 +155,11 @@ def main():
         rows,
     )
 
-    def plot(ax):
-        chosen = {r["model"]: [c for c in r["choices"][1:] if c["micro_batch"]] for r in results}
-        for r in results:
-            budgets = [c["budget_mb"] for c in chosen[r["model"]]]
-            peaks = [c["peak_mb"] for c in chosen[r["model"]]]
-            ax.plot(budgets, peaks, "o", label=f"{r['model']} (batch {r['batch_size']})")
-            for c in chosen[r["model"]]:
-                ax.annotate(
-                    f"{c['accum_steps']}x{c['micro_batch']}",
-                    (c["budget_mb"], c["peak_mb"]),
-                    fontsize="small",
-                    textcoords="offset points",
-                    xytext=(4, -10),
-                )
-        top = max(c["budget_mb"] for r in results for c in r["choices"])
-        ax.plot([0, top], [0, top], color="gray", linewidth=0.8, linestyle="--", label="budget")
-        ax.set_xlabel("memory budget (MiB)")
-        ax.set_ylabel("chosen split's allocator peak (MiB)")
-        ax.set_title("choose_micro_batch: accum_steps x micro-batch per budget")
-        ax.legend(fontsize="small")
-
     save(
         args.out,
         "micro_batch" + ("_quick" if args.quick else ""),
         {"quick": args.quick, "results": results},
-        plot,
+        plotter(results),
     )
 
 
