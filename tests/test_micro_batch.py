@@ -303,3 +303,15 @@ def test_under_mirrored_strategy_the_batch_is_global():
         "`batch_size` must be a multiple of the replicas (2): every micro-batch is split "
         "evenly over them. Received: batch_size=9"
     )
+
+
+def test_mixed_float16_tries_under_the_policy(peaks, mixed_float16):
+    """The tries run with the dtype policy set before them: float16 activations, lower peaks."""
+    half = {m: _try(build_accumulating, BATCH // m, m, (X, Y, None), DEVICES)[0] for m in (8, 4)}
+    assert half[8] < peaks[8] and half[4] < peaks[4], (half, peaks)
+    budget = int(math.sqrt(peaks[4] * peaks[8]))  # float32 would take micro-batch 4
+    choice = choose_micro_batch(
+        build_accumulating, X, Y, batch_size=BATCH, memory_budget=budget, verbose=0
+    )
+    assert choice.micro_batch >= 4
+    assert choice.peak_bytes <= budget
