@@ -69,14 +69,15 @@ def batch_moments(x, axes, mask=None):
     """
     x = ops.cast(x, _STATS_DTYPE)
     if mask is None:
-        count = ops.cast(ops.prod(ops.stack([ops.shape(x)[a] for a in axes])), _STATS_DTYPE)
+        count = _element_count(x, axes)
         # Sums divided by the count (not `ops.mean`): an empty batch, e.g. a
         # replica's shard of a short last batch, gives zeros, not NaN.
-        mean = _divide_or_zero(ops.sum(x, axis=axes, keepdims=True), count)
+        divide = _divider(count)
+        mean = divide(ops.sum(x, axis=axes, keepdims=True))
         deviation = x - ops.stop_gradient(mean)
-        residual = ops.stop_gradient(_divide_or_zero(ops.sum(deviation, axis=axes), count))
+        residual = ops.stop_gradient(divide(ops.sum(deviation, axis=axes)))
         squares = ops.sum(ops.square(deviation), axis=axes)
-        count = ops.broadcast_to(count, ops.shape(residual))
+        count = ops.broadcast_to(ops.cast(count, _STATS_DTYPE), ops.shape(residual))
     else:
         count = ops.sum(ops.cast(mask, _STATS_DTYPE), axis=axes, keepdims=True)
         total = ops.sum(ops.where(mask, x, 0.0), axis=axes, keepdims=True)
@@ -155,7 +156,42 @@ def variance_from_moments(count, m2):
 
 
 def _divide_or_zero(numerator, denominator):
-    # Not `ops.divide_no_nan`: the `where` form keeps the NaN of 0/0 out of
-    # the gradient as well as out of the value.
-    safe = ops.where(denominator > 0, denominator, 1.0)
-    return ops.where(denominator > 0, numerator / safe, 0.0)
+    return _divider(denominator)(numerator)
+
+
+def _divider(denominator):
+    """``numerator -> numerator / denominator``, 0 where ``denominator`` is 0.
+
+    Not ``ops.divide_no_nan``: the ``where`` form keeps the NaN of 0/0 out
+    of the gradient as well as out of the value. A Python number > 0 (a
+    count known when traced) divides directly: the same quotient, without
+    the selections.
+    """
+    if isinstance(denominator, (int, float)):
+        if denominator > 0:
+            return lambda numerator: numerator / float(denominator)
+        return ops.zeros_like
+    positive = denominator > 0
+    safe = ops.where(positive, denominator, 1.0)
+    return lambda numerator: ops.where(positive, numerator / safe, 0.0)
+
+
+def _element_count(x, axes):
+    """The number of entries of ``x`` over ``axes``: a Python int where the shape is known.
+
+    Otherwise a float32 tensor: the product of the unknown sizes times that
+    of the known ones (integers, exact below ``2 ** 31``).
+    """
+    known, unknown = 1, []
+    for axis in axes:
+        size = x.shape[axis]
+        if size is None:
+            unknown.append(ops.shape(x)[axis])
+        else:
+            known *= size
+    if not unknown:
+        return known
+    count = known
+    for size in unknown:
+        count = count * size
+    return ops.cast(count, _STATS_DTYPE)
