@@ -298,7 +298,7 @@ def test_under_mirrored_strategy_the_batch_is_global():
     assert_diff_below(result["diff"], FLOAT32_ATOL, result)
     assert result["moved"] > 1e-3
     assert result["too_small"].startswith("Even micro-batch 2 does not fit in memory_budget=1 ")
-    assert "(tried 16: " in result["too_small"] and ", 2: " in result["too_small"]
+    assert "(tried 4: " in result["too_small"] and ", 2: " in result["too_small"]
     assert result["odd_batch"] == (
         "`batch_size` must be a multiple of the replicas (2): every micro-batch is split "
         "evenly over them. Received: batch_size=9"
@@ -306,9 +306,9 @@ def test_under_mirrored_strategy_the_batch_is_global():
 
 
 def test_mixed_float16_tries_under_the_policy(peaks, mixed_float16):
-    """The tries run with the dtype policy set before them: float16 activations, lower peaks."""
-    half = {m: _try(build_accumulating, BATCH // m, m, (X, Y, None), DEVICES)[0] for m in (8, 4)}
-    assert half[8] < peaks[8] and half[4] < peaks[4], (half, peaks)
+    """The tries run with the dtype policy set before them: float16 activations, a lower peak."""
+    half = _try(build_accumulating, 1, BATCH, (X, Y, None), DEVICES)[0]
+    assert half < peaks[BATCH], (half, peaks)
     budget = int(math.sqrt(peaks[4] * peaks[8]))  # float32 would take micro-batch 4
     choice = choose_micro_batch(
         build_accumulating, X, Y, batch_size=BATCH, memory_budget=budget, verbose=0

@@ -49,7 +49,7 @@ def main():
     reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
 
     errors = {}
-    for name, batch_size, memory_budget in (("too_small", BATCH, 1), ("odd_batch", 9, "1 GiB")):
+    for name, batch_size, memory_budget in (("too_small", 4, 1), ("odd_batch", 9, "1 GiB")):
         try:
             choose_micro_batch(build, x, y, batch_size=batch_size, memory_budget=memory_budget)
         except ValueError as raised:
