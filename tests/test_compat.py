@@ -284,7 +284,7 @@ def test_custom_gradients_dropped_frees_a_traced_step_s_variables():
         return 2.0 * x, lambda upstream: 2.0 * upstream
 
     def traced_step():
-        variable = tf.Variable(tf.zeros([2**18]))  # 1 MiB: counted by the CPU allocator
+        variable = tf.Variable(tf.zeros([2**22]))  # 16 MiB
 
         @tf.function
         def step():
@@ -298,10 +298,12 @@ def test_custom_gradients_dropped_frees_a_traced_step_s_variables():
         gc.collect()
         return tf.config.experimental.get_memory_info("CPU:0")["current"]
 
+    # Within 1 MiB: tensors of earlier tests may be freed meanwhile.
     before = memory()
     traced_step()
     kept = _changed("tf.custom_gradient", "traced functions no longer kept: drop the workaround")
-    assert memory() == before + 2**20, kept  # what the context manager is for
+    assert memory() - before > 15 * 2**20, kept  # what the context manager is for
+    before = memory()
     with _compat.custom_gradients_dropped():
         traced_step()
-    assert memory() == before + 2**20
+    assert memory() - before < 2**20

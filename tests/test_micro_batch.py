@@ -277,8 +277,9 @@ def test_the_tries_leave_no_model_in_memory():
     with pytest.raises(ValueError, match="Even micro-batch 1"):
         choose_micro_batch(build, x, y, batch_size=4, memory_budget=1, verbose=0)
     # Three models tried (4, 2, 1), each with 2 MiB of kernel, 4 of Adam's
-    # moments and 2 of sums (above 1): none is left.
-    assert tf.config.experimental.get_memory_info(DEVICES[0])["current"] == before
+    # moments and 2 of sums (above 1): none is left (within 1 MiB: tensors of
+    # earlier tests may be freed meanwhile).
+    assert tf.config.experimental.get_memory_info(DEVICES[0])["current"] < before + 2**20
 
 
 def test_multi_worker_training_is_refused(monkeypatch):
