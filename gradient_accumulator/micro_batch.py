@@ -135,8 +135,10 @@ def _stream(data, micro_batch, batches):
     would be the data set's as much as the training's.
     """
 
+    count = len(next(a for a in tf.nest.flatten(data) if a is not None))
+
     def rows(index):
-        picked = np.arange(index * micro_batch, (index + 1) * micro_batch) % len(data[0])
+        picked = np.arange(index * micro_batch, (index + 1) * micro_batch) % count
         return tf.nest.map_structure(
             lambda a: None if a is None else np.take(np.asarray(a), picked, 0), data
         )
@@ -212,6 +214,7 @@ def _try(build, accum_steps, micro_batch, data, devices):
             f"`accum_steps`. Received: a model under {type(strategy).__name__}"
         )
     replicas = strategy.num_replicas_in_sync
+    # The first try is the whole batch; later ones skip what replicas do not divide.
     if micro_batch % replicas:
         raise ValueError(
             f"`batch_size` must be a multiple of the replicas ({replicas}): every "

@@ -316,3 +316,14 @@ def test_mixed_float16_tries_under_the_policy(peaks, mixed_float16):
     )
     assert choice.micro_batch >= 4
     assert choice.peak_bytes <= budget
+
+
+def test_the_tries_stream_the_first_rows_of_every_input_repeated():
+    from gradient_accumulator.micro_batch import _stream
+
+    x = {"image": X[:6], "extra": np.arange(6.0)}
+    batches = list(_stream((x, Y[:6], None), micro_batch=4, batches=2))
+    inputs = [b[0] for b in batches]
+    assert [list(b["extra"].numpy()) for b in inputs] == [[0, 1, 2, 3], [4, 5, 0, 1]]
+    assert np.array_equal(inputs[1]["image"].numpy(), X[[4, 5, 0, 1]])
+    assert np.array_equal(batches[0][1].numpy(), Y[:4])
