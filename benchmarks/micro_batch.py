@@ -42,7 +42,7 @@ SETUPS = {
     },
     "mlp": {"batch": 2048, "shape": (1024,), "fractions": (0.97, 0.9)},
 }
-QUICK = {"dense": {"batch": 16, "shape": (256,), "fractions": (0.99,), "nothing_fits": True}}
+QUICK = {"dense": {"batch": 16, "shape": (256,), "fractions": (0.99,)}}
 
 
 def _layers(name):
