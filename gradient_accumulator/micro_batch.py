@@ -59,7 +59,7 @@ def parse_memory_budget(memory_budget):
 
 @dataclasses.dataclass(frozen=True)
 class MicroBatchTry:
-    """One training update tried at one micro-batch.
+    """One micro-batch tried: two updates of a model built for it.
 
     Attributes:
         micro_batch: Integer, the micro-batch tried (global, over replicas).
