@@ -304,10 +304,26 @@ def test_under_mirrored_strategy_the_batch_is_global():
     )
 
 
-def test_mixed_float16_tries_under_the_policy(peaks, mixed_float16):
-    """The tries run with the dtype policy set before them: float16 activations, a lower peak."""
-    half = _try(build_accumulating, 1, BATCH, (X, Y, None), DEVICES)[0]
-    assert half < peaks[BATCH], (half, peaks)
+def test_mixed_float16_tries_under_the_policy(mixed_float16):
+    """The tries build and train their models under the dtype policy set before them.
+
+    Not a lower peak: on this CPU float16 convolutions fall back to Eigen
+    kernels with temporaries of their own, and a weight-bound model adds the
+    float16 copies of its weights (a try of the test's network measured
+    51.4 MiB above the process's start under mixed_float16, 8.9 in float32).
+    """
+    built = []
+
+    def build(accum_steps):
+        built.append(build_accumulating(accum_steps))
+        return built[-1]
+
+    choice = choose_micro_batch(build, X, Y, batch_size=BATCH, memory_budget="1 GiB", verbose=0)
+    assert (choice.accum_steps, choice.micro_batch) == (1, BATCH)
+    [model] = built
+    assert model.compute_dtype == "float16"
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert choice.tries[0].peak_bytes == choice.peak_bytes > 0
 
 
 def test_the_tries_stream_the_first_rows_of_every_input_repeated():
