@@ -82,7 +82,7 @@ def average_batchnorm_statistics(model):
                 variable.assign(mean)
 
         # Traced once per model (and set of layers), not at every call.
-        cached = (key, tf.function(lambda: strategy.run(average_in_replica)))
+        cached = (key, tf.function(lambda: strategy.run(average_in_replica), autograph=False))
         _AVERAGE_FUNCTIONS[model] = cached
     cached[1]()
     return len(layers)

@@ -663,7 +663,7 @@ class GradientAccumulateModel(keras.Model):
                 return logs
 
             if not self.run_eagerly:
-                groups = tf.function(groups, reduce_retracing=True)
+                groups = tf.function(groups, reduce_retracing=True, autograph=False)
             self._train_functions[count] = groups
         return self._train_functions[count]
 
@@ -693,15 +693,17 @@ class GradientAccumulateModel(keras.Model):
                 return ops.sum(ops.stack(strategy.experimental_local_results(marker)))
 
             def group(iterator, length):
-                done = tf.zeros((), "int64")
-                for index in tf.range(length - 1):
-                    done = marked(after(done, iterator), (index, length, False))
+                def adding(index, done):
+                    return index + 1, marked(after(done, iterator), (index, length, False))
+
+                start = (tf.constant(0, "int32"), tf.zeros((), "int64"))
+                _, done = tf.while_loop(lambda index, _: index < length - 1, adding, start)
                 last = (length - 1, length, True)
                 logs = strategy.run(self._micro_step, args=(after(done, iterator), last))
                 return reduce_replica_logs(logs, strategy)
 
             if not self.run_eagerly:
-                group = tf.function(group, reduce_retracing=True)
+                group = tf.function(group, reduce_retracing=True, autograph=False)
             self._train_functions[key] = group
         return self._train_functions[key]
 
@@ -737,7 +739,7 @@ class GradientAccumulateModel(keras.Model):
                 return reduce_replica_logs(logs, strategy)
 
             self._train_functions[key] = tf.function(
-                placed_step, reduce_retracing=True, jit_compile=True
+                placed_step, reduce_retracing=True, jit_compile=True, autograph=False
             )
         return self._train_functions[key]
 
@@ -760,7 +762,9 @@ class GradientAccumulateModel(keras.Model):
             def placed_update():
                 strategy.run(update_in_replica)
 
-            self._train_functions[key] = tf.function(placed_update, jit_compile=True)
+            self._train_functions[key] = tf.function(
+                placed_update, jit_compile=True, autograph=False
+            )
         return self._train_functions[key]
 
     def apply_accumulated_gradients(self):
@@ -782,7 +786,7 @@ class GradientAccumulateModel(keras.Model):
                     self.optimizer, self.trainable_variables, statistics
                 )
 
-            @tf.function
+            @functools.partial(tf.function, autograph=False)
             def apply_pending():
                 self.distribute_strategy.run(apply_pending_in_replica)
 

@@ -425,5 +425,5 @@ def discover_classes(forward, variables, strategy, batch_spec):
         return strategy.run(probe, args=args)
 
     with strategy.scope():
-        tf.function(traced).get_concrete_function(*batch_spec)
+        tf.function(traced, autograph=False).get_concrete_function(*batch_spec)
     return found.get("plan", ClassPlan.one_class())

@@ -699,6 +699,34 @@ def test_fit_with_none_for_a_required_input_raises_as_keras_does():
     assert errors[1][0] is errors[0][0] and errors[1][1].endswith(errors[0][1])
 
 
+def test_fit_traces_without_autograph_as_keras_does():
+    # Keras's `fit` traces `train_step` without AutoGraph (do_not_convert):
+    # a tensor used as a Python bool in `call` raises there. The wrapper's
+    # train functions are traced the same way (they converted the model's
+    # code before, and raised the same error framed as AutoGraph's "in user
+    # code"); not converting also makes their traces faster.
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 1), "float32")
+    errors = []
+    for base, arguments in ((keras.Model, {}), (GradientAccumulateModel, {"accum_steps": 2})):
+
+        class Branching(base):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self.dense = keras.layers.Dense(1)
+
+            def call(self, inputs):
+                if keras.ops.sum(inputs) > 0:
+                    return self.dense(inputs)
+                return -self.dense(inputs)
+
+        model = Branching(**arguments)
+        model.compile("sgd", "mse")
+        with pytest.raises(tf.errors.OperatorNotAllowedInGraphError) as raised:
+            model.fit(x, y, batch_size=2, verbose=0)
+        errors.append(str(raised.value).splitlines()[0])
+    assert errors[1] == errors[0] == "Exception encountered when calling Branching.call().", errors
+
+
 def test_fit_callbacks_evaluate_predict_and_summary():
     x, y = make_regression_data()
     model = build_dense(GradientAccumulateModel, accum_steps=2)
