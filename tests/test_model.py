@@ -706,20 +706,21 @@ def test_fit_traces_without_autograph_as_keras_does():
     # code before, and raised the same error framed as AutoGraph's "in user
     # code"); not converting also makes their traces faster.
     x, y = np.ones((8, 3), "float32"), np.ones((8, 1), "float32")
+
+    class Branching(keras.layers.Layer):
+        def call(self, inputs):
+            if keras.ops.sum(inputs) > 0:
+                return inputs
+            return -inputs
+
+        def compute_output_shape(self, input_shape):
+            return input_shape
+
     errors = []
-    for base, arguments in ((keras.Model, {}), (GradientAccumulateModel, {"accum_steps": 2})):
-
-        class Branching(base):
-            def __init__(self, **kwargs):
-                super().__init__(**kwargs)
-                self.dense = keras.layers.Dense(1)
-
-            def call(self, inputs):
-                if keras.ops.sum(inputs) > 0:
-                    return self.dense(inputs)
-                return -self.dense(inputs)
-
-        model = Branching(**arguments)
+    for cls, arguments in ((keras.Model, {}), (GradientAccumulateModel, {"accum_steps": 2})):
+        inputs = keras.Input((3,))
+        outputs = keras.layers.Dense(1)(Branching()(inputs))
+        model = cls(inputs=inputs, outputs=outputs, **arguments)
         model.compile("sgd", "mse")
         with pytest.raises(tf.errors.OperatorNotAllowedInGraphError) as raised:
             model.fit(x, y, batch_size=2, verbose=0)
