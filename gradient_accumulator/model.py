@@ -786,7 +786,7 @@ class GradientAccumulateModel(keras.Model):
                     self.optimizer, self.trainable_variables, statistics
                 )
 
-            @functools.partial(tf.function, autograph=False)
+            @tf.function(autograph=False)
             def apply_pending():
                 self.distribute_strategy.run(apply_pending_in_replica)
 
