@@ -278,6 +278,18 @@ def strategy_supports_no_merge_call():
     return tf.__internal__.distribute.strategy_supports_no_merge_call()
 
 
+def in_xla_compilation():
+    """Whether the function being traced is XLA-compiled (``jit_compile``, or inside one).
+
+    ``tf.function(jit_compile=True)`` traces its body in an XLA control-flow
+    context; TensorFlow's own ops test it with ``control_flow_util``, which it
+    does not export.
+    """
+    from tensorflow.python.ops import control_flow_util
+
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
 def in_multi_worker_mode(strategy):
     """Whether ``strategy`` spans several workers (``extended._in_multi_worker_mode``)."""
     return strategy.extended._in_multi_worker_mode()

@@ -22,7 +22,12 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from gradient_accumulator._compat import KerasSaveable, optimizer_chain, scatter_add_in_place
+from gradient_accumulator._compat import (
+    KerasSaveable,
+    in_xla_compilation,
+    optimizer_chain,
+    scatter_add_in_place,
+)
 from gradient_accumulator.distribute import (
     all_reduce_in_replica,
     by_replica,
@@ -211,6 +216,12 @@ def _group_means(plan, sums, weights, count):
     A variable that takes its group's maximum (:func:`takes_maximum`) gets
     ``max_c G_c``: its sums hold maxima, which are not divided.
 
+    Where every divisor is exactly 1 (each micro-batch weighed by its share
+    of the group, and the group as planned: equal micro-batches counted by
+    samples, ``accum_steps`` of them), the sums already are the means, and
+    dividing them would give the same bits: the division is skipped (one
+    conditional per update), which saves a read and a write of every sum.
+
     One variable after the other (each waits for the previous one's), so
     that one mean's temporary is alive at a time beside the optimizer's.
     Where the sums are this replica's accumulators themselves (one replica,
@@ -233,23 +244,57 @@ def _group_means(plan, sums, weights, count):
     for (i, c, acc), total in zip(plan.slots, sums):
         terms.setdefault(i, []).append((acc, acc if in_place else total, c))
     means = [None] * count
-    previous = []
     for i, entries in terms.items():
-        with tf.control_dependencies(previous):
-            if plan.takes_maximum[i]:
-                means[i] = functools.reduce(ops.maximum, [total for _, total, _ in entries])
-                previous = [means[i]]
+        if plan.takes_maximum[i]:
+            means[i] = functools.reduce(ops.maximum, [total for _, total, _ in entries])
+    divided = {i: entries for i, entries in terms.items() if not plan.takes_maximum[i]}
+    if not divided:
+        return means
+
+    def unless_all_one(skip, divide):
+        if in_xla_compilation():
+            # XLA fuses the division into the optimizer's update, where it
+            # costs nothing, and the conditional would cost time (the
+            # benchmarks page has the figures).
+            return divide()
+        return tf.cond(ops.all(ops.equal(ops.stack(weights), 1.0)), skip, divide)
+
+    def combined(divisors):
+        # Per variable of `divided`: its mean, written into its first sum
+        # where in place (then None); the classes' sum where `divisors` is
+        # None (each divisor 1).
+        results = []
+        previous = []
+        for entries in divided.values():
+            if in_place and divisors is None and len(entries) == 1:
+                results.append(None)  # the sum is the mean
                 continue
-            mean = None
-            for _, total, c in entries:
-                term = _mean(total, weights[c])
-                mean = term if mean is None else mean + term
-            if in_place:
-                first = entries[0][0]
-                with tf.control_dependencies([first.assign(mean, read_value=False)]):
-                    mean = first.read_value()
+            with tf.control_dependencies(previous):
+                mean = None
+                for _, total, c in entries:
+                    term = total if divisors is None else _mean(total, divisors[c])
+                    mean = term if mean is None else mean + term
+                if in_place:
+                    mean = entries[0][0].assign(mean, read_value=False)
+            results.append(mean)
+            previous = [mean]
+        return results
+
+    if in_place:
+        # Writes only (the branches output a flag): the means are read from
+        # the first sums afterwards.
+        def written(divisors):
+            with tf.control_dependencies([w for w in combined(divisors) if w is not None]):
+                return tf.constant(True)
+
+        done = unless_all_one(lambda: written(None), lambda: written(weights))
+        with tf.control_dependencies([done]):
+            for i, entries in divided.items():
+                means[i] = entries[0][0].read_value()
+        return means
+    results = unless_all_one(lambda: combined(None), lambda: combined(weights))
+    for i, mean in zip(divided, results):
         means[i] = mean
-        previous = [mean]
     return means
 
 

@@ -412,6 +412,41 @@ def numpy_agc_all(clip_factor, eps):
     return clip
 
 
+def control_flow(graph, accumulator=None):
+    """Types of ``graph``'s top-level conditionals and loops.
+
+    With ``accumulator``: without the update's one conditional that skips
+    the division where every divisor is 1 (recognised by its branches, which
+    write ``accumulator``'s gradient sums and nothing else, and its second
+    branch's divisions).
+    """
+    kinds = {"If", "StatelessIf", "Case", "StatelessCase", "While", "StatelessWhile"}
+    found = [op for op in graph.get_operations() if op.type in kinds]
+    if accumulator is not None:
+        found = [op for op in found if not _is_division(graph, op, accumulator)]
+    return [op.type for op in found]
+
+
+def _is_division(graph, cond, accumulator):
+    if cond.type not in ("If", "StatelessIf"):
+        return False
+    handles = {id(acc.handle) for acc in accumulator._all_sums()}
+    internal = [inside for outside, inside in graph.captures if id(outside) in handles]
+    branches = [
+        graph._get_function(cond.get_attr(name).name).graph
+        for name in ("then_branch", "else_branch")
+    ]
+    for branch in branches:
+        # The If op's inputs after the condition are the branch's inputs.
+        sums = [
+            branch.inputs[k] for k, t in enumerate(cond.inputs[1:]) if any(t is i for i in internal)
+        ]
+        writes = [op for op in branch.get_operations() if op.type.startswith("Assign")]
+        if not all(any(op.inputs[0] is t for t in sums) for op in writes):
+            return False
+    return any(op.type == "DivNoNan" for op in branches[1].get_operations())
+
+
 # Measured max |diff| of every equivalence assertion, written to a file by
 # conftest's terminal summary (and printed with -v) so that the figures come
 # from the test run itself.

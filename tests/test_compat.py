@@ -193,6 +193,24 @@ def test_tensorflow_internals():
     )
 
 
+def test_xla_compilation_is_seen_while_tracing():
+    seen = []
+
+    def body(x):
+        seen.append(_compat.in_xla_compilation())
+        return x + 1
+
+    inner = tf.function(body)
+    tf.function(body, jit_compile=True)(tf.constant(1.0))
+    tf.function(body)(tf.constant(1.0))
+    tf.function(lambda x: inner(x), jit_compile=True)(tf.constant(2.0))
+    assert seen == [True, False, True], _changed(
+        "control_flow_util.GraphOrParentsInXlaContext",
+        f"tracing with jit_compile, without it, and a function inside one: {seen}",
+    )
+    assert _compat.in_xla_compilation() is False
+
+
 def test_a_loss_scale_optimizer_is_found_building_its_inner_optimizer():
     found = []
 

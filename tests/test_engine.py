@@ -1,5 +1,7 @@
 """The accumulation engine: what a micro-step costs in the traced graph, and its update rules."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from tests.helpers import (
     FLOAT8_KERNEL_RTOL,
     FLOAT8_STATE_RTOL,
     build_float8,
+    control_flow,
     float8_differences,
     make_float8_data,
 )
@@ -118,15 +121,23 @@ def test_the_overwrite_holds_no_constant_zeros():
         np.testing.assert_array_equal(acc.numpy(), np.zeros(acc.shape))
 
 
-def _branch_inputs(graph, variable):
-    """The update conditional's taken branch, and its inputs that are ``variable``'s handle."""
-    internal = _captured(graph, variable)
-    (cond,) = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
-    branch = graph._get_function(cond.get_attr("then_branch").name).graph
+def _conditionals(graph):
+    return [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
+
+
+def _branch_inputs(graph, variable, internal=None, branch="then_branch"):
+    """``graph``'s one conditional's ``branch``, and its inputs that are ``variable``'s handle.
+
+    ``internal``: ``graph``'s tensors for the handle, if not its own captures.
+    """
+    if internal is None:
+        internal = _captured(graph, variable)
+    (cond,) = _conditionals(graph)
+    taken = graph._get_function(cond.get_attr(branch).name).graph
     # The If op's inputs after the condition are the branch's inputs, in order.
     outer = cond.inputs[1:]
-    inputs = [branch.inputs[k] for k, t in enumerate(outer) if any(t is i for i in internal)]
-    return branch, inputs
+    inputs = [taken.inputs[k] for k, t in enumerate(outer) if any(t is i for i in internal)]
+    return taken, inputs
 
 
 def test_the_sums_are_emptied_after_the_optimizer_writes_the_variables():
@@ -163,13 +174,15 @@ def test_the_sums_are_emptied_after_the_optimizer_writes_the_variables():
         assert len(writes) == 1, acc.name  # the reset's s + (-s)
         # The reset's read of the sum (the first op of its negation) waits
         # for reads of the model's variables made after the optimizer's writes
-        # (and for the sum's own write, the group's mean written into it).
+        # (and for the sum's own write, the group's mean written into it by
+        # the division's conditional).
         read = writes[0].inputs[1].op.inputs[0].op
         assert read.type == "ReadVariableOp", read.type
         own = {
             op.name
             for op in read.control_inputs
-            if op.type == "AssignVariableOp" and any(op.inputs[0] is t for t in inputs)
+            if op.type in ("AssignVariableOp", "If", "StatelessIf")
+            and any(u is t for u in op.inputs for t in inputs)
         }
         waits_for = {op.name for op in read.control_inputs} - own
         assert waits_for and waits_for <= model_reads, (acc.name, waits_for)
@@ -201,9 +214,18 @@ def test_each_mean_is_written_into_its_sum_one_variable_after_the_other():
         np.testing.assert_allclose(variable.numpy(), start - 1.5, rtol=0, atol=1e-6)
     for acc in accumulator.gradient_sums:
         np.testing.assert_array_equal(acc.numpy(), 0.0)
-    graph = update.get_concrete_function(grads).graph
+    outer = update.get_concrete_function(grads).graph
+    # The division is a conditional's branch (the other, where every divisor
+    # is 1, divides nothing and writes no sum of a single class).
+    graph, _ = _branch_inputs(outer, None, internal=[], branch="else_branch")
     divisions = [op for op in graph.get_operations() if op.type == "DivNoNan"]
     assert len(divisions) == len(variables)
+    undivided, _ = _branch_inputs(outer, None, internal=[])
+    assert not [op.type for op in undivided.get_operations() if "Variable" in op.type]
+
+    def handles_in(acc):
+        return _branch_inputs(outer, acc, branch="else_branch")[1]
+
     writes = {
         op.inputs[1].op.name: op for op in graph.get_operations() if op.type == "AssignVariableOp"
     }
@@ -211,20 +233,17 @@ def test_each_mean_is_written_into_its_sum_one_variable_after_the_other():
     for acc, division in zip(accumulator.gradient_sums, divisions):
         read = division.inputs[0].op
         assert read.type == "ReadVariableOp"
-        handles = _captured(graph, acc)
+        handles = handles_in(acc)
         assert any(read.inputs[0] is t for t in handles), acc.name
         # The mean replaces the sum ...
         assert any(writes[division.name].inputs[0] is t for t in handles), acc.name
-        # ... after the previous variable's mean was written and read back.
+        # ... after the previous variable's mean was written.
         if previous is not None:
-            waits_for = []
-            for op in read.control_inputs:
-                while op.type == "Identity":
-                    op = op.inputs[0].op
-                if op.type == "ReadVariableOp":
-                    waits_for.append(op.inputs[0])
+            waits_for = [
+                op.inputs[0] for op in read.control_inputs if op.type == "AssignVariableOp"
+            ]
             assert any(
-                any(handle is t for t in _captured(graph, previous)) for handle in waits_for
+                any(handle is t for t in handles_in(previous)) for handle in waits_for
             ), (acc.name, [op.name for op in read.control_inputs])
         previous = acc
 
@@ -248,7 +267,12 @@ def test_a_decision_known_when_traced_needs_no_conditional():
             accumulator.step(grads, 0.5, micro.is_update_step, optimizer, variables)
 
     graph = group.get_concrete_function(grads).graph
-    assert not [op.type for op in graph.get_operations() if "If" in op.type or "Case" in op.type]
+    # The update is not conditional: the optimizer's count moves in the
+    # graph itself. The one conditional, once per update, skips the division
+    # where every divisor is 1; it writes the sums and nothing else.
+    assert "AssignVariableOp" in _ops_using(graph, optimizer.iterations)
+    assert len(control_flow(graph)) == 1
+    assert control_flow(graph, accumulator) == []
     accumulating = tf.function(
         lambda grads: accumulator.step(grads, 0.5, False, optimizer, variables)
     ).get_concrete_function(grads).graph
@@ -474,6 +498,38 @@ def test_the_update_hands_each_class_s_sum_over_its_divisor_then_empties_the_gro
         assert float(total.numpy()) == 0.0
     for acc in [*accumulator.gradient_sums, *accumulator.class_gradient_sums]:
         np.testing.assert_array_equal(acc.numpy(), np.zeros(acc.shape))
+
+
+# With 0.5 before it, a group divisor one float32 step below 1.
+_BELOW_HALF = float(np.nextafter(np.float32(1), np.float32(0)) - np.float32(0.5))
+
+
+@pytest.mark.parametrize("classes", [1, 2])
+@pytest.mark.parametrize("second_divisor", [0.5, _BELOW_HALF], ids=["exactly-1", "below-1"])
+def test_the_division_is_skipped_only_where_every_divisor_is_exactly_1(classes, second_divisor):
+    # Where the group's divisors are all exactly 1 (micro-batches weighed by
+    # their share of the group) the update skips the division: dividing by 1
+    # gives the same bits. One ULP below 1 must divide: the expected update
+    # is computed in float32 by numpy, and differs from the undivided sum.
+    accumulator, variables, optimizer = _sgd_accumulator([(4,)], accum_steps=2)
+    if classes == 2:
+        accumulator.configure_classes([(0, 1)], variables)
+    rng = np.random.default_rng(3)
+    grads = rng.normal(size=(2, classes, 4)).astype("float32") / 3
+
+    @tf.function
+    def micro_step(class_grads, divisors, is_update_step):
+        accumulator.step_classes(class_grads, divisors, is_update_step, optimizer, variables)
+
+    micro_step([[g] for g in grads[0]], [0.5] * classes, tf.constant(False))
+    micro_step([[g] for g in grads[1]], [second_divisor] * classes, tf.constant(True))
+    divisor = np.float32(0.5) + np.float32(second_divisor)
+    sums = grads[0] + grads[1]
+    expected = -functools.reduce(np.add, list(sums / divisor))
+    np.testing.assert_array_equal(variables[0].numpy(), expected)
+    undivided = -functools.reduce(np.add, list(sums))
+    assert (divisor == 1) == (second_divisor == 0.5)
+    assert (divisor == 1) == np.array_equal(expected, undivided)
 
 
 def _step_function(accumulator, variables, optimizer):
