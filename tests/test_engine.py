@@ -532,6 +532,26 @@ def test_the_division_is_skipped_only_where_every_divisor_is_exactly_1(classes, 
     assert (divisor == 1) == np.array_equal(expected, undivided)
 
 
+@pytest.mark.parametrize("accum_steps", [*range(1, 10), 16, 32, 64, 128, 10, 12])
+def test_equal_micro_batches_divisor_is_exactly_1_for_the_documented_accum_steps(accum_steps):
+    # The docs say the update skips the division for equal micro-batches
+    # when accum_steps is 1 to 9 or a power of two, and not always otherwise:
+    # the group's divisor is the float32 sum of the micro-steps' shares.
+    accumulator, variables, optimizer = _sgd_accumulator([(2,)], accum_steps=accum_steps)
+    grads = [np.zeros((2,), "float32")]
+
+    @tf.function
+    def micro_step(index):
+        micro = accumulator.micro_step_at(index, accum_steps, ends_group=False)
+        share = accumulator.share(16.0, 16.0, micro)
+        accumulator.step(grads, share, False, optimizer, variables)
+
+    for index in range(accum_steps):
+        micro_step(tf.constant(index))
+    exact = accum_steps <= 9 or accum_steps & (accum_steps - 1) == 0
+    assert (float(accumulator.weight_sum.numpy()) == 1.0) == exact
+
+
 def _step_function(accumulator, variables, optimizer):
     @tf.function
     def step(grads, is_update_step):
