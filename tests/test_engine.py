@@ -248,10 +248,10 @@ def test_each_mean_is_written_into_its_sum_one_variable_after_the_other():
         previous = acc
 
 
-def test_a_decision_known_when_traced_needs_no_conditional():
+def test_a_decision_known_when_traced_puts_no_conditional_around_the_update():
     # A function that runs a whole group knows each micro-step's place: the
     # accumulating micro-steps only add in place, the last one updates,
-    # with no conditional in the graph.
+    # with no conditional around it.
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     variables = model.trainable_variables
     optimizer = keras.optimizers.SGD(1.0)

@@ -463,7 +463,7 @@ def _train_by_groups(model, arrays, accum_steps, epochs=2, jit_compile=False):
 
 
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "jit"])
-def test_group_step_equals_big_batch_without_a_conditional(jit_compile):
+def test_group_step_equals_big_batch_with_no_conditional_around_the_update(jit_compile):
     x, y = make_regression_data()  # 10 micro-batches: groups of 4, 4 and 2
     reference = build_dense()
     reference.compile(OPTIMIZERS["adam"](), "mse")
