@@ -326,9 +326,11 @@ class GradientAccumulateModel(keras.Model):
         """A whole accumulation group: one micro-step per batch, then the update.
 
         Each micro-step's place in the group is known when the function is
-        traced, so nothing is decided at run time: the ``len(batches) - 1``
-        first micro-steps only add to the sums, the last one also updates (no
-        conditional). The micro-steps run one after the other (each reads
+        traced, so whether to update is not decided at run time: the
+        ``len(batches) - 1`` first micro-steps only add to the sums, the last
+        one also updates (no conditional around the update; its one
+        conditional skips dividing the sums where the divisor is exactly 1,
+        outside XLA). The micro-steps run one after the other (each reads
         its batch once the previous one has added its gradients), so that one
         batch's activations are alive at a time. Call it in replica context, as Keras calls
         ``train_step``, at the start of a group (no micro-step pending).
