@@ -427,24 +427,28 @@ def control_flow(graph, accumulator=None):
     return [op.type for op in found]
 
 
+def conditional_branch(graph, cond, name, tensors=()):
+    """``cond``'s branch ``name`` (its graph), and the branch's inputs fed by ``tensors``.
+
+    ``tensors``: tensors of ``graph`` (e.g. a variable's captured handle).
+    """
+    taken = graph._get_function(cond.get_attr(name).name).graph
+    # The If op's inputs after the condition are the branch's inputs, in order.
+    fed = [k for k, t in enumerate(cond.inputs[1:]) if any(t is u for u in tensors)]
+    return taken, [taken.inputs[k] for k in fed]
+
+
 def _is_division(graph, cond, accumulator):
     if cond.type not in ("If", "StatelessIf"):
         return False
     handles = {id(acc.handle) for acc in accumulator._all_sums()}
     internal = [inside for outside, inside in graph.captures if id(outside) in handles]
-    branches = [
-        graph._get_function(cond.get_attr(name).name).graph
-        for name in ("then_branch", "else_branch")
-    ]
-    for branch in branches:
-        # The If op's inputs after the condition are the branch's inputs.
-        sums = [
-            branch.inputs[k] for k, t in enumerate(cond.inputs[1:]) if any(t is i for i in internal)
-        ]
+    for name in ("then_branch", "else_branch"):
+        branch, sums = conditional_branch(graph, cond, name, internal)
         writes = [op for op in branch.get_operations() if op.type.startswith("Assign")]
         if not all(any(op.inputs[0] is t for t in sums) for op in writes):
             return False
-    return any(op.type == "DivNoNan" for op in branches[1].get_operations())
+    return any(op.type == "DivNoNan" for op in branch.get_operations())
 
 
 # Measured max |diff| of every equivalence assertion, written to a file by

@@ -13,6 +13,7 @@ from tests.helpers import (
     FLOAT8_KERNEL_RTOL,
     FLOAT8_STATE_RTOL,
     build_float8,
+    conditional_branch,
     control_flow,
     float8_differences,
     make_float8_data,
@@ -121,23 +122,11 @@ def test_the_overwrite_holds_no_constant_zeros():
         np.testing.assert_array_equal(acc.numpy(), np.zeros(acc.shape))
 
 
-def _conditionals(graph):
-    return [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
-
-
-def _branch_inputs(graph, variable, internal=None, branch="then_branch"):
-    """``graph``'s one conditional's ``branch``, and its inputs that are ``variable``'s handle.
-
-    ``internal``: ``graph``'s tensors for the handle, if not its own captures.
-    """
-    if internal is None:
-        internal = _captured(graph, variable)
-    (cond,) = _conditionals(graph)
-    taken = graph._get_function(cond.get_attr(branch).name).graph
-    # The If op's inputs after the condition are the branch's inputs, in order.
-    outer = cond.inputs[1:]
-    inputs = [taken.inputs[k] for k, t in enumerate(outer) if any(t is i for i in internal)]
-    return taken, inputs
+def _branch_inputs(graph, variable=None, branch="then_branch"):
+    """``graph``'s one conditional's ``branch``, and its inputs that are ``variable``'s handle."""
+    (cond,) = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
+    handles = [] if variable is None else _captured(graph, variable)
+    return conditional_branch(graph, cond, branch, handles)
 
 
 def test_the_sums_are_emptied_after_the_optimizer_writes_the_variables():
@@ -217,10 +206,10 @@ def test_each_mean_is_written_into_its_sum_one_variable_after_the_other():
     outer = update.get_concrete_function(grads).graph
     # The division is a conditional's branch (the other, where every divisor
     # is 1, divides nothing and writes no sum of a single class).
-    graph, _ = _branch_inputs(outer, None, internal=[], branch="else_branch")
+    graph, _ = _branch_inputs(outer, branch="else_branch")
     divisions = [op for op in graph.get_operations() if op.type == "DivNoNan"]
     assert len(divisions) == len(variables)
-    undivided, _ = _branch_inputs(outer, None, internal=[])
+    undivided, _ = _branch_inputs(outer)
     assert not [op.type for op in undivided.get_operations() if "Variable" in op.type]
 
     def handles_in(acc):
