@@ -764,9 +764,19 @@ class GradientAccumulator(tf.Module):
                 reach (a variable outside the class's routing is ignored).
             divisors: Per class, what this micro-step adds to its divisor.
         """
-        grads = [class_grads[c][i] for i, c, _ in self._slots()]
-        present = self._accumulate(grads, divisors)
+        present = self.add_classes(class_grads, divisors)
         self.apply_if(is_update_step, optimizer, variables, statistics, present)
+
+    def add_classes(self, class_grads, divisors):
+        """Adds one micro-step's gradients and divisors to the sums, without updating.
+
+        For a caller that runs the update itself once the group's last
+        micro-step has added (:meth:`apply_if` with ``True``). Arguments as in
+        :meth:`step_classes`; returns the indices of the sums that received a
+        gradient (see :meth:`_accumulate`).
+        """
+        grads = [class_grads[c][i] for i, c, _ in self._slots()]
+        return self._accumulate(grads, divisors)
 
     def apply_pending(self, optimizer, variables, statistics=()):
         """Updates with a non-empty, unfinished group (replica context).

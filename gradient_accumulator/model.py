@@ -1,6 +1,5 @@
 """The model wrapper: `fit(batch_size=b)` with k-step accumulation equals `fit(batch_size=k*b)`."""
 
-import contextlib
 import functools
 import inspect
 
@@ -18,7 +17,6 @@ from gradient_accumulator._compat import (
     functional_from_config_keeps_arguments,
     loss_tracker,
     recorded_loss_reductions,
-    reduce_replica_logs,
     sublayers,
 )
 from gradient_accumulator._v05 import REMOVED_MODEL_ARGUMENTS
@@ -27,6 +25,7 @@ from gradient_accumulator.batchnorm_averaging import AverageBatchNormStatistics
 from gradient_accumulator.distribute import logs_for_keras
 from gradient_accumulator.engine import GradientAccumulator, StateEntry, update_step_scope
 from gradient_accumulator.optimizer import check_optimizer_does_not_accumulate
+from gradient_accumulator.runner import GroupRunner
 from gradient_accumulator.validation import (
     check_accum_steps,
     check_agc_arguments,
@@ -118,61 +117,10 @@ def _batch_size(x, y):
     )
 
 
-def _after(done, data):
-    """``data``, read once ``done`` (a tensor, or ``None``: at once) is computed."""
-    if done is None:
-        return data
-    with tf.control_dependencies([done]):
-        return tf.nest.map_structure(
-            lambda t: t if t is None else tf.identity(t), data, expand_composites=True
-        )
-
-
 def _first_replica(strategy, value):
     if isinstance(value, tf.distribute.DistributedValues):
         return strategy.experimental_local_results(value)[0]
     return value
-
-
-class _EpochBoundary(keras.callbacks.Callback):
-    """Tells ``fit``'s train function where it is in the epoch; ends the group with the epoch.
-
-    ``fit`` adds this callback itself. When the epoch's length is known and
-    it starts with no group pending, the train function runs whole groups,
-    the epoch's last one shorter (as :meth:`GradientAccumulateModel.group_step`);
-    it reads the epoch's length and the first micro-batch of each call from
-    here. Otherwise it runs micro-steps: an epoch that continues a group
-    (restored from a checkpoint taken inside one, or begun by
-    ``train_on_batch``) tells the accumulator how many micro-steps are left,
-    so that its last group ends with its last micro-step; with data of
-    unknown length, whatever is left is applied when the epoch ends (after
-    validation), as after ``stop_training``.
-    """
-
-    def __init__(self, model):
-        super().__init__()
-        self._owner = model
-        self.epoch_steps = None  # micro-batches in this epoch, if known
-        self.first_step = 0  # the first micro-batch of the coming call
-        self.continues_group = False
-
-    def on_epoch_begin(self, epoch, logs=None):
-        accumulator = self._owner._accumulator
-        self.epoch_steps = self.params.get("steps")
-        self.first_step = 0
-        self.continues_group = int(accumulator.micro_step.numpy()) > 0
-        known = self.epoch_steps is not None and self.continues_group
-        accumulator.steps_to_boundary.assign(int(self.epoch_steps) if known else -1)
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self.first_step = batch
-
-    def on_epoch_end(self, epoch, logs=None):
-        self._owner.apply_accumulated_gradients()
-
-    def on_train_end(self, logs=None):
-        self.epoch_steps = None
-        self._owner._accumulator.steps_to_boundary.assign(-1)
 
 
 @keras.saving.register_keras_serializable(package="gradient_accumulator")
@@ -270,6 +218,7 @@ class GradientAccumulateModel(keras.Model):
         self.use_agc, self.clip_factor, self.eps = check_agc_arguments(use_agc, clip_factor, eps)
         super().__init__(*args, **kwargs)
         self._accumulator = None
+        self._runner = GroupRunner(self)
         # The accumulation state's entry in weights files, apart from the
         # model's own variables, so that the plain model of the same graph
         # loads the file (and a file without it loads here).
@@ -343,22 +292,17 @@ class GradientAccumulateModel(keras.Model):
             The logs of the last micro-step (the metrics over every
             micro-step seen since they were reset).
         """
-        done = None
-        for index, data in enumerate(batches[:-1]):
-            position = (index, len(batches), False)
-            done = self._marked_micro_step(_after(done, data), position)
-        last = (len(batches) - 1, len(batches), True)
-        return self._micro_step(_after(done, batches[-1]), last)
+        return self._runner.group_of_batches(batches)
 
-    def _micro_step(self, data, position=None, update=True):
-        """One micro-step; ``position``: ``(index, group length, ends group)`` if known.
+    def _micro_step(self, data, place=None):
+        """One micro-step (replica context): the gradients of ``data`` added to the sums.
 
-        The position's index and length may be tensors; whether the step
-        ends its group is a Python boolean (see ``micro_step_at``). With
-        ``update=False`` the step only adds to the sums, even at the end of
-        its group (its forward pass still sees that it ends the group): the
-        caller then runs the update (``fit``'s XLA path,
-        :meth:`_placed_update_function`).
+        ``place``: the micro-step's :class:`~gradient_accumulator.runner.Place`
+        in its group, where the runner knows it when tracing; the micro-step
+        then only adds, and the runner calls :meth:`_update` after the group's
+        last. With ``None`` (``train_step``), the accumulator's counters
+        decide at run time whether it ends its group, and it then also
+        updates.
         """
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self._check_trainable_variables_unchanged()
@@ -370,10 +314,10 @@ class GradientAccumulateModel(keras.Model):
         # accumulator's state changes wait for the batch.
         inputs = [t for t in tf.nest.flatten(x, expand_composites=True) if t is not None]
         with tf.control_dependencies(inputs):
-            if position is None:
+            if place is None:
                 micro = accumulator.start_micro_step()
             else:
-                micro = accumulator.micro_step_at(*position)
+                micro = accumulator.micro_step_at(place.index, place.length, place.ends_group)
         is_update_step = micro.is_update_step
         # The loss's normaliser classes (found by `_discover_normaliser_classes`
         # before the first trace; one unless the loss mixes normalisers):
@@ -401,18 +345,37 @@ class GradientAccumulateModel(keras.Model):
         # increments depend on nothing else, and TensorFlow may run them in a
         # step whose batch never arrives.
         with tf.control_dependencies(inputs):
-            statistics = self._apply_statistics(is_update_step)
-            accumulator.step_classes(
-                class_grads,
-                divisors,
-                is_update_step if update else False,
-                self.optimizer,
-                variables,
-                statistics,
-            )
+            self._apply_statistics(is_update_step)
+            if place is None:
+                accumulator.step_classes(
+                    class_grads,
+                    divisors,
+                    is_update_step,
+                    self.optimizer,
+                    variables,
+                    self._replica_statistics(),
+                )
+            else:
+                # The update is the runner's (`_update`), which merges the
+                # replicas' statistics itself.
+                accumulator.add_classes(class_grads, divisors)
         build_compiled_metrics_outside_trace(self, y, y_pred)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return logs_for_keras(logs, self.distribute_strategy)
+
+    def _update(self, condition):
+        """The group's update, if ``condition`` (replica context).
+
+        The group's mean gradient to the optimizer, then the sums emptied
+        (:meth:`GradientAccumulator.apply_if`); layers whose statistics
+        follow the update boundary and hold their replica's own move them
+        with it (their pending statistics cross the replicas in the update's
+        one reduction), the others have moved them in the group's last
+        micro-step.
+        """
+        self._accumulator.apply_if(
+            condition, self.optimizer, self.trainable_variables, self._replica_statistics()
+        )
 
     def _forward(self, x, y, sample_weight):
         """The forward pass and the loss: ``(y_pred, MicroBatchLoss)`` (call on a tape)."""
@@ -437,7 +400,7 @@ class GradientAccumulateModel(keras.Model):
             if spec is not None:
                 self._discover_normaliser_classes(spec)
         callbacks = bound.arguments.get("callbacks")
-        boundary = _EpochBoundary(self)
+        boundary = self._runner.begin_fit()
         # First, so that callbacks that save see the averaged statistics.
         first = []
         if self.average_batchnorm_statistics and self.distribute_strategy.num_replicas_in_sync > 1:
@@ -448,19 +411,10 @@ class GradientAccumulateModel(keras.Model):
             callbacks.append(boundary)
         else:
             bound.arguments["callbacks"] = [*first, *(callbacks or []), boundary]
-        # Keras's loop calls the train function, and the callbacks' batch
-        # hooks, once per `steps_per_execution` batches: for the epoch
-        # iterator that fit creates first, once per `steps_per_execution`
-        # groups. `make_train_function`, which fit calls next, restores the
-        # user's value (validation and evaluate use it).
-        self._epoch_boundary = boundary
-        self._fit_steps_per_execution = self.steps_per_execution
-        self.steps_per_execution = self.accum_steps * self._fit_steps_per_execution
         try:
             return super().fit(*bound.args, **bound.kwargs)
         finally:
-            self._restore_steps_per_execution()
-            self._epoch_boundary = None
+            self._runner.end_fit()
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # A private hook of keras.Model (see _compat.OVERRIDDEN_MODEL_HOOKS).
@@ -562,212 +516,11 @@ class GradientAccumulateModel(keras.Model):
             # the update runs in a conditional, which cannot create variables.
             with self.distribute_strategy.scope():
                 self.optimizer.build(self.trainable_variables)
-        self._restore_steps_per_execution()
+        self._runner.restore_steps_per_execution()
         if force or self.train_function is None:
-            self._train_functions = {}
-            self.train_function = self._train_function
+            self._runner.reset()
+            self.train_function = self._runner.train_function
         return self.train_function
-
-    def _restore_steps_per_execution(self):
-        if getattr(self, "_fit_steps_per_execution", None) is not None:
-            self.steps_per_execution = self._fit_steps_per_execution
-            self._fit_steps_per_execution = None
-
-    def _train_function(self, iterator):
-        """The train function of ``fit`` and ``train_on_batch``.
-
-        In ``fit``, where the epoch's length is known: one traced call runs
-        ``steps_per_execution`` whole groups (:meth:`_groups_function`), the
-        epoch's last call as many micro-batches as are left, its last group
-        shorter. Elsewhere (data of unknown length, an epoch that continues
-        a pending group, ``train_on_batch``): Keras's own train function of
-        :meth:`train_step`, one micro-step per batch, as many batches per
-        call as ``fit``'s loop expects.
-        """
-        boundary = getattr(self, "_epoch_boundary", None)
-        if boundary is None or self.accum_steps == 1:
-            return self._micro_steps_function(self.steps_per_execution)(iterator)
-        per_call = self.accum_steps * self.steps_per_execution
-        if boundary.epoch_steps is None or boundary.continues_group:
-            return self._micro_steps_function(per_call)(iterator)
-        count = min(per_call, boundary.epoch_steps - boundary.first_step)
-        return self._groups_function(count)(iterator)
-
-    @contextlib.contextmanager
-    def _steps_per_execution_of(self, steps):
-        saved = self.steps_per_execution
-        self.steps_per_execution = steps
-        try:
-            yield
-        finally:
-            self.steps_per_execution = saved
-
-    def _micro_steps_function(self, steps):
-        """Up to ``steps`` micro-steps per call, each one call of Keras's one-step function.
-
-        A call that runs out of data after a micro-step returns its logs; the
-        next call's first fetch then ends the epoch, as Keras expects.
-        """
-        if "micro_step" not in self._train_functions:
-            # Keras's own function of `train_step`, one batch per call
-            # (Keras reads `steps_per_execution` when it builds and when it
-            # traces it).
-            with self._steps_per_execution_of(1):
-                dispatcher = self.train_function
-                super().make_train_function(force=True)
-                self._train_functions["micro_step"] = self.train_function
-                self.train_function = dispatcher
-        one_step = self._train_functions["micro_step"]
-
-        def micro_steps(iterator):
-            logs = None
-            for _ in range(steps):
-                try:
-                    with self._steps_per_execution_of(1):
-                        logs = one_step(iterator)
-                except (StopIteration, tf.errors.OutOfRangeError):
-                    if logs is None:
-                        raise
-                    break
-            return logs
-
-        return micro_steps
-
-    def _groups_function(self, count):
-        """One traced call of ``count`` micro-batches: whole groups, the last one shorter.
-
-        Each group is one call of :meth:`_group_function` in graph mode;
-        with ``jit_compile``, one XLA computation per micro-step that only
-        adds to the sums (:meth:`_placed_step_function`), its batch fetched
-        just before it, then one computation of the update
-        (:meth:`_placed_update_function`): one computation for a whole group,
-        or for a micro-step and the update, held more temporaries at once,
-        which TensorFlow's CPU allocator pool keeps resident once it has
-        grown for them (the figures are on the benchmarks page).
-        """
-        if count not in self._train_functions:
-            sizes = [self.accum_steps] * (count // self.accum_steps)
-            if count % self.accum_steps:
-                sizes.append(count % self.accum_steps)
-            jit = self.jit_compile and not self.run_eagerly
-
-            def groups(iterator):
-                logs = None
-                for size in sizes:
-                    length = tf.constant(size, "int32")
-                    if not jit:
-                        logs = self._group_function()(iterator, length)
-                        continue
-                    for index in range(size):
-                        step = self._placed_step_function(index == size - 1)
-                        logs = step(next(iterator), tf.constant(index, "int32"), length)
-                    self._placed_update_function()()
-                return logs
-
-            if not self.run_eagerly:
-                groups = tf.function(groups, reduce_retracing=True, autograph=False)
-            self._train_functions[count] = groups
-        return self._train_functions[count]
-
-    def _group_function(self):
-        """A whole group in one function: ``(iterator, length) -> logs``, for every length.
-
-        The micro-steps but the last run in a ``tf.while_loop``, one after
-        the other: each fetches its batch once the previous one has added
-        its gradients (:meth:`_marked_micro_step`). Nothing else orders them
-        (the weights do not change inside a group), and TensorFlow would run
-        their forward passes side by side, holding several micro-batches'
-        activations. A loop, not the micro-steps unrolled: a micro-step is
-        traced twice whatever the length, and the graph stays one
-        micro-step's size (unrolled, it held more memory on MobileNetV2; the
-        figures are on the benchmarks page).
-        """
-        key = "group"
-        if key not in self._train_functions:
-            strategy = self.distribute_strategy
-
-            def after(done, iterator):
-                with tf.control_dependencies([done]):
-                    return next(iterator)
-
-            def marked(data, position):
-                marker = strategy.run(self._marked_micro_step, args=(data, position))
-                return ops.sum(ops.stack(strategy.experimental_local_results(marker)))
-
-            def group(iterator, length):
-                def adding(index, done):
-                    return index + 1, marked(after(done, iterator), (index, length, False))
-
-                start = (tf.constant(0, "int32"), tf.zeros((), "int64"))
-                _, done = tf.while_loop(lambda index, _: index < length - 1, adding, start)
-                last = (length - 1, length, True)
-                logs = strategy.run(self._micro_step, args=(after(done, iterator), last))
-                return reduce_replica_logs(logs, strategy)
-
-            if not self.run_eagerly:
-                group = tf.function(group, reduce_retracing=True, autograph=False)
-            self._train_functions[key] = group
-        return self._train_functions[key]
-
-    def _marked_micro_step(self, data, position):
-        """A micro-step that does not end its group; returns what marks its end.
-
-        The accumulator's count, read after the micro-step's adds (the count
-        moves after them): a batch fetched under a control dependency on it
-        waits for this micro-step (replica context; its logs are not needed,
-        the group's last micro-step gives them).
-        """
-        self._micro_step(data, position)
-        return self._accumulator.micro_step.read_value()
-
-    def _placed_step_function(self, ends_group):
-        """The XLA-compiled micro-step ``(data, index, length) -> logs``; it only adds.
-
-        ``ends_group`` is what its forward pass sees (statistics layers move
-        their statistics at the group's last micro-step); without such layers
-        every micro-step of a group is the same computation, compiled once.
-        The update is :meth:`_placed_update_function`'s.
-        """
-        ends_group = ends_group and bool(self._statistics_layers())
-        key = ("placed", ends_group)
-        if key not in self._train_functions:
-            strategy = self.distribute_strategy
-
-            def placed_step(data, index, length):
-                position = (index, length, ends_group)
-                logs = strategy.run(
-                    self._micro_step, args=(data, position), kwargs={"update": False}
-                )
-                return reduce_replica_logs(logs, strategy)
-
-            self._train_functions[key] = tf.function(
-                placed_step, reduce_retracing=True, jit_compile=True, autograph=False
-            )
-        return self._train_functions[key]
-
-    def _placed_update_function(self):
-        """The XLA-compiled update of a group whose micro-steps only added: ``() -> None``.
-
-        The group's mean gradient to the optimizer, then the sums emptied
-        (:meth:`GradientAccumulator.apply_if`). Its own computation, apart
-        from the last micro-step's (see :meth:`_groups_function`). One
-        replica only (``_check_jit_compile``): the statistics layers have
-        moved their statistics in the micro-step, none merges replicas here.
-        """
-        key = "placed_update"
-        if key not in self._train_functions:
-            strategy = self.distribute_strategy
-
-            def update_in_replica():
-                self._accumulator.apply_if(True, self.optimizer, self.trainable_variables)
-
-            def placed_update():
-                strategy.run(update_in_replica)
-
-            self._train_functions[key] = tf.function(
-                placed_update, jit_compile=True, autograph=False
-            )
-        return self._train_functions[key]
 
     def apply_accumulated_gradients(self):
         """Applies a non-empty, unfinished group now; otherwise does nothing.
@@ -778,22 +531,7 @@ class GradientAccumulateModel(keras.Model):
         """
         if self._accumulator is None or self.optimizer is None:
             return
-        if int(self._accumulator.micro_step.numpy()) == 0:
-            return
-        if getattr(self, "_apply_pending_function", None) is None:
-
-            def apply_pending_in_replica():
-                statistics = self._apply_statistics(None)
-                self._accumulator.apply_pending(
-                    self.optimizer, self.trainable_variables, statistics
-                )
-
-            @tf.function(autograph=False)
-            def apply_pending():
-                self.distribute_strategy.run(apply_pending_in_replica)
-
-            self._apply_pending_function = apply_pending
-        self._apply_pending_function()
+        self._runner.apply_pending()
 
     def get_config(self):
         return {**super().get_config(), **self.wrapper_config()}
@@ -875,21 +613,29 @@ class GradientAccumulateModel(keras.Model):
         )
 
     def _apply_statistics(self, is_update_step):
-        """Moves the statistics layers' pending statistics on the update (replica context).
+        """Moves the pending statistics of layers that follow the update boundary (replica context).
 
-        Layers whose pending statistics are the same in every replica (one
-        replica, or ``synchronized=True``) apply them here. The others hold
-        their own shard's: they are returned as ``(value, apply_fn)`` pairs
-        for the engine, which sums them over the replicas in the update's one
-        reduction and hands every replica the merged statistics.
+        Where ``is_update_step``, for the layers whose pending statistics are
+        the same in every replica (one replica, or ``synchronized=True``);
+        the others move theirs in the update (:meth:`_replica_statistics`).
         """
-        merged = []
         for layer in self._statistics_layers():
-            if layer.merges_replicas_at_update():
-                merged.append((layer.pending_replica_summary(), layer.apply_replica_summaries))
-            else:
+            if not layer.merges_replicas_at_update():
                 layer.apply_pending_statistics(is_update_step)
-        return merged
+
+    def _replica_statistics(self):
+        """The statistics that cross the replicas in the update's one reduction (replica context).
+
+        ``(value, apply_fn)`` pairs of the layers that hold their own shard's
+        pending statistics (several replicas, ``synchronized=False``): the
+        engine sums the values over the replicas and hands every replica the
+        merged statistics.
+        """
+        return [
+            (layer.pending_replica_summary(), layer.apply_replica_summaries)
+            for layer in self._statistics_layers()
+            if layer.merges_replicas_at_update()
+        ]
 
     def _check_statistics_layers(self):
         """Refuses AccumBatchNormalization layers whose accum_steps differ."""
@@ -937,6 +683,6 @@ class GradientAccumulateModel(keras.Model):
         # A tf.Module: TF's checkpoint tracking picks it up, Keras's weight
         # tracking does not, so the sums are saved but are not model weights.
         self._accumulator = accumulator
-        self._apply_pending_function = None
+        self._runner.reset()
         self._classes_discovered = False
         self._normaliser_classes = None

@@ -7,6 +7,11 @@ import shlex
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# TensorFlow turns oneDNN on by default only on some x86 CPUs (Intel's with
+# AVX-512 and the like); without it the CPU allocator keeps no statistics, which
+# the memory tests read. On for every test (and the processes they start), so
+# that the suite measures the same on every machine.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 import keras  # noqa: E402
 import pytest  # noqa: E402

@@ -519,7 +519,7 @@ def test_a_group_runs_its_micro_steps_one_after_the_other():
     model.fit(x, y, batch_size=MICRO_BATCH, epochs=1, shuffle=False, verbose=0)
     variables = len(model._accumulator.gradient_sums)
 
-    (group,) = model._train_functions["group"]._list_all_concrete_functions()
+    (group,) = model._runner._functions["group"]._list_all_concrete_functions()
     (loop,) = [op for op in group.graph.get_operations() if op.type in ("While", "StatelessWhile")]
     body = group.graph._functions[loop.get_attr("body").name].graph
     (fetch,) = [op for op in body.get_operations() if op.type == "IteratorGetNext"]
@@ -565,11 +565,11 @@ def test_fit_under_xla_compiles_the_update_apart_from_the_micro_steps():
             for concrete in function._list_all_concrete_functions()
         ]
 
-    placed = [k for k in model._train_functions if isinstance(k, tuple) and k[0] == "placed"]
-    assert placed == [("placed", False)]  # one program for every place in every group
-    assert optimizer_captures(model._train_functions[placed[0]]) == [0]
-    (update,) = optimizer_captures(model._train_functions["placed_update"])
-    assert update > 0
+    adding, last, update = model._runner._functions["xla"]
+    assert last is adding  # one program for every place in every group
+    assert optimizer_captures(adding) == [0]
+    (update_captures,) = optimizer_captures(update)
+    assert update_captures > 0
 
 
 def test_group_step_weighs_tokens_and_keeps_batchnorm_statistics():

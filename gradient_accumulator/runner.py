@@ -1,0 +1,376 @@
+"""The group runner: how ``fit`` and ``train_on_batch`` run micro-steps and updates.
+
+A *group* is ``accum_steps`` micro-steps (fewer at the end of an epoch)
+followed by one optimizer update. :class:`GroupRunner` runs the groups of
+one :class:`~gradient_accumulator.GradientAccumulateModel`; every way a group
+is run is one of its named cases:
+
+- **Whole groups** (:meth:`GroupRunner.group_function`): ``fit`` on data whose
+  epoch length is known, with no group pending at the epoch's start. One
+  compiled call per group: a ``tf.while_loop`` of micro-steps that only add
+  (each fetches its batch once the previous one has added its gradients),
+  the last micro-step, then the update. The place of each micro-step in its
+  group is known when traced, so no conditional decides the update. The
+  program is one micro-step's size whatever ``accum_steps``, and any group
+  length reuses it. Its two modes:
+
+  - *graph*: the micro-steps and the update are traced inline;
+  - *XLA* (``jit_compile=True``, one replica): each micro-step is one XLA
+    program and the update another, called from the loop (one program for
+    the whole group would keep several micro-steps' buffers alive).
+
+  ``steps_per_execution=n`` runs ``n`` groups per call of Keras's loop, one
+  compiled call each.
+- **Micro-steps** (:meth:`GroupRunner.micro_steps_function`): data of unknown
+  length, an epoch that starts inside a group (a resumed checkpoint, or
+  after ``train_on_batch``), and ``train_on_batch``. Keras's own train
+  function of ``train_step``, one micro-step per call, the update decided at
+  run time by the accumulator's counters.
+- **A group cut short** (:meth:`GroupRunner.apply_pending`): the update of a
+  group that the data ended before ``accum_steps`` micro-steps (unknown
+  length), at the epoch's end.
+- **A group of given batches** (:meth:`GroupRunner.group_of_batches`):
+  ``GradientAccumulateModel.group_step``, the whole-group case for a custom
+  loop that holds the group's batches (unrolled, in replica context).
+
+Under a strategy, the micro-steps run in every replica (``strategy.run``);
+the update's sums cross the replicas in one batched reduction
+(:meth:`gradient_accumulator.engine.GradientAccumulator.apply_if`).
+"""
+
+import contextlib
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from gradient_accumulator._compat import reduce_replica_logs
+
+WHOLE_GROUPS = "whole groups"
+MICRO_STEPS = "micro-steps"
+
+
+class Place:
+    """Where a micro-step sits in its group, known when it is traced.
+
+    Attributes:
+        index: Integer (Python or int32 tensor), its position from 0.
+        length: Integer (Python or int32 tensor), its group's micro-steps.
+        ends_group: Python boolean, whether it is the group's last (its
+            forward pass then moves the statistics of layers that follow the
+            update boundary).
+    """
+
+    def __init__(self, index, length, ends_group):
+        self.index = index
+        self.length = length
+        self.ends_group = ends_group
+
+
+def after(done, data):
+    """``data``, read once ``done`` (a tensor, or ``None``: at once) is computed."""
+    if done is None:
+        return data
+    with tf.control_dependencies([done]):
+        return tf.nest.map_structure(
+            lambda t: t if t is None else tf.identity(t), data, expand_composites=True
+        )
+
+
+class EpochBoundary(keras.callbacks.Callback):
+    """Tells the runner where ``fit`` is in the epoch; ends the group with the epoch.
+
+    ``fit`` adds this callback itself. It reads the epoch's length (Keras's
+    ``steps``; ``None`` for data of unknown length) and the first micro-batch
+    of each call of the train function, and whether the epoch starts inside
+    a group. An epoch that continues a group tells the accumulator how many
+    micro-steps are left, so that its last group ends with its last
+    micro-step; with data of unknown length, whatever is left is applied when
+    the epoch ends (after validation), as after ``stop_training``.
+    """
+
+    def __init__(self, model):
+        super().__init__()
+        self._owner = model
+        self.epoch_steps = None  # micro-batches in this epoch, if known
+        self.first_step = 0  # the first micro-batch of the coming call
+        self.continues_group = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        accumulator = self._owner._accumulator
+        self.epoch_steps = self.params.get("steps")
+        self.first_step = 0
+        self.continues_group = int(accumulator.micro_step.numpy()) > 0
+        known = self.epoch_steps is not None and self.continues_group
+        accumulator.steps_to_boundary.assign(int(self.epoch_steps) if known else -1)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.first_step = batch
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._owner.apply_accumulated_gradients()
+
+    def on_train_end(self, logs=None):
+        self.epoch_steps = None
+        self._owner._accumulator.steps_to_boundary.assign(-1)
+
+
+class GroupRunner:
+    """Runs the micro-steps and updates of one ``GradientAccumulateModel``.
+
+    The model provides, in replica context, ``_micro_step(data, place)`` (one
+    micro-batch's forward pass, weighted loss and gradients added to the
+    sums; with ``place=None`` the accumulator's counters decide at run time
+    whether it also updates) and ``_update(condition)`` (the group's mean
+    gradient to the optimizer, then the sums emptied, if ``condition``).
+    The runner decides which to call, where and in which compiled function.
+
+    Args:
+        model: The ``GradientAccumulateModel``.
+    """
+
+    def __init__(self, model):
+        self._model = model
+        self._functions = {}
+        self.epoch_boundary = None  # an EpochBoundary while `fit` runs
+        self._fit_steps_per_execution = None
+
+    # ------------------------------------------------------------------
+    # fit's loop
+    # ------------------------------------------------------------------
+
+    def begin_fit(self):
+        """Prepares a ``fit`` call: returns its callbacks with the epoch boundary.
+
+        Keras's loop calls the train function, and the callbacks' batch
+        hooks, once per ``steps_per_execution`` batches: here once per
+        ``steps_per_execution`` groups (``accum_steps`` times as many
+        micro-batches). :meth:`restore_steps_per_execution`, which the
+        model's ``make_train_function`` calls, restores the user's value for
+        validation and ``evaluate``.
+
+        Args:
+            callbacks: What ``fit`` was given: ``None``, a list, or a
+                ``keras.callbacks.CallbackList``; ``first`` callbacks are
+                placed before the user's.
+        """
+        model = self._model
+        self.epoch_boundary = EpochBoundary(model)
+        self._fit_steps_per_execution = model.steps_per_execution
+        model.steps_per_execution = model.accum_steps * self._fit_steps_per_execution
+        return self.epoch_boundary
+
+    def end_fit(self):
+        self.restore_steps_per_execution()
+        self.epoch_boundary = None
+
+    def restore_steps_per_execution(self):
+        if self._fit_steps_per_execution is not None:
+            self._model.steps_per_execution = self._fit_steps_per_execution
+            self._fit_steps_per_execution = None
+
+    def reset(self):
+        """Forgets every traced function (a new ``compile`` or train function)."""
+        self._functions = {}
+
+    def case(self):
+        """What the coming call of the train function runs: ``WHOLE_GROUPS`` or ``MICRO_STEPS``."""
+        boundary = self.epoch_boundary
+        if boundary is None or boundary.epoch_steps is None or boundary.continues_group:
+            return MICRO_STEPS
+        return WHOLE_GROUPS
+
+    def train_function(self, iterator):
+        """The model's train function (``fit`` and ``train_on_batch``): one call of Keras's loop.
+
+        Whole groups: ``steps_per_execution`` groups, or as many micro-batches
+        as the epoch has left, its last group shorter. Micro-steps: as many
+        micro-steps as Keras's loop expects of the call.
+        """
+        model = self._model
+        boundary = self.epoch_boundary
+        # `fit`'s loop expects `steps_per_execution` groups of a call (its
+        # own value, restored by then: see `begin_fit`); `train_on_batch`
+        # one batch.
+        per_call = model.steps_per_execution
+        if boundary is not None:
+            per_call *= model.accum_steps
+        if self.case() == MICRO_STEPS:
+            return self.micro_steps_function()(iterator, per_call)
+        count = min(per_call, boundary.epoch_steps - boundary.first_step)
+        group = self.group_function()
+        logs = None
+        for start in range(0, count, model.accum_steps):
+            length = min(model.accum_steps, count - start)
+            logs = group(iterator, tf.constant(length, "int32"))
+        return logs
+
+    # ------------------------------------------------------------------
+    # Whole groups
+    # ------------------------------------------------------------------
+
+    def group_function(self):
+        """One whole group: ``(iterator, length) -> logs``, compiled once for every length.
+
+        ``length`` (an int32 scalar, 1 to ``accum_steps``) micro-batches are
+        fetched from ``iterator``. The ``length - 1`` first micro-steps run
+        in a ``tf.while_loop``, one after the other: each fetches its batch
+        once the previous one has added its gradients (nothing else orders
+        them, as the weights do not change inside a group, and TensorFlow
+        would run their forward passes side by side, holding several
+        micro-batches' activations). Then the last micro-step, and the
+        update. A micro-step is traced twice whatever the length (in the
+        loop and last), one fetch each.
+        """
+        if "group" not in self._functions:
+            model = self._model
+            adding, last, update = self._group_steps()
+
+            def group(iterator, length):
+                def adding_one(index, done):
+                    with tf.control_dependencies([done]):
+                        data = next(iterator)
+                    marker, _ = adding(data, index, length)
+                    return index + 1, marker
+
+                start = (tf.constant(0, "int32"), tf.zeros((), "int64"))
+                _, done = tf.while_loop(lambda index, _: index < length - 1, adding_one, start)
+                with tf.control_dependencies([done]):
+                    data = next(iterator)
+                _, logs = last(data, length - 1, length)
+                update()
+                return logs
+
+            if not model.run_eagerly:
+                group = tf.function(group, reduce_retracing=True, autograph=False)
+            self._functions["group"] = group
+        return self._functions["group"]
+
+    def _group_steps(self):
+        """The group's ``(adding, last, update)`` callables, in graph or in XLA mode.
+
+        ``adding`` and ``last`` map ``(data, index, length)`` to ``(marker,
+        logs)``: the marker is a tensor computed once the micro-step's
+        gradients are added (:meth:`_step_in_replica`). ``update() -> None``.
+        Each is called in cross-replica context.
+        """
+        model = self._model
+        strategy = model.distribute_strategy
+
+        def step(ends_group):
+            def run(data, index, length):
+                place = Place(index, length, ends_group)
+                marker, logs = strategy.run(self._step_in_replica, args=(data, place))
+                marker = ops.sum(ops.stack(strategy.experimental_local_results(marker)))
+                return marker, reduce_replica_logs(logs, strategy)
+
+            return run
+
+        def update():
+            strategy.run(model._update, args=(True,))
+
+        if not (model.jit_compile and not model.run_eagerly):
+            return step(False), step(True), update
+
+        # XLA: each a program of its own. Without layers that follow the
+        # update boundary, the last micro-step is the same computation as
+        # the others (one program for both).
+        def compiled(fn):
+            return tf.function(fn, reduce_retracing=True, jit_compile=True, autograph=False)
+
+        adding = compiled(step(False))
+        last = compiled(step(True)) if model._statistics_layers() else adding
+        self._functions["xla"] = (adding, last, compiled(update))
+        return self._functions["xla"]
+
+    def _step_in_replica(self, data, place):
+        """One micro-step at ``place`` (replica context): ``(marker, logs)``.
+
+        The marker is the accumulator's count, read after the micro-step's
+        adds (the count moves after them): a batch fetched under a control
+        dependency on it waits for this micro-step.
+        """
+        logs = self._model._micro_step(data, place)
+        return self._model._accumulator.micro_step.read_value(), logs
+
+    def group_of_batches(self, batches):
+        """``group_step``: a whole group of given batches, in replica context.
+
+        The whole-groups case unrolled over a Python sequence: each
+        micro-step reads its batch once the previous one has added its
+        gradients; the last one's logs are returned after the update.
+        """
+        model = self._model
+        done = None
+        length = len(batches)
+        for index, data in enumerate(batches[:-1]):
+            done, _ = self._step_in_replica(after(done, data), Place(index, length, False))
+        logs = model._micro_step(after(done, batches[-1]), Place(length - 1, length, True))
+        model._update(True)
+        return logs
+
+    # ------------------------------------------------------------------
+    # Micro-steps, and a group cut short
+    # ------------------------------------------------------------------
+
+    def micro_steps_function(self):
+        """``(iterator, steps) -> logs``: up to ``steps`` micro-steps, one call each.
+
+        Each is one call of Keras's own train function of ``train_step``
+        (built for one batch per call). A call that runs out of data after
+        a micro-step returns its logs; the next call's first fetch then ends
+        the epoch, as Keras expects.
+        """
+        if "micro_step" not in self._functions:
+            model = self._model
+            # Keras reads `steps_per_execution` when it builds the function
+            # and when it traces it.
+            with self.steps_per_execution_of(1):
+                dispatcher = model.train_function
+                keras.Model.make_train_function(model, force=True)
+                one_step = model.train_function
+                model.train_function = dispatcher
+
+            def micro_steps(iterator, steps):
+                logs = None
+                for _ in range(steps):
+                    try:
+                        with self.steps_per_execution_of(1):
+                            logs = one_step(iterator)
+                    except (StopIteration, tf.errors.OutOfRangeError):
+                        if logs is None:
+                            raise
+                        break
+                return logs
+
+            self._functions["micro_step"] = micro_steps
+        return self._functions["micro_step"]
+
+    @contextlib.contextmanager
+    def steps_per_execution_of(self, steps):
+        model = self._model
+        saved = model.steps_per_execution
+        model.steps_per_execution = steps
+        try:
+            yield
+        finally:
+            model.steps_per_execution = saved
+
+    def apply_pending(self):
+        """Applies a non-empty, unfinished group now (eagerly); otherwise does nothing."""
+        model = self._model
+        if int(model._accumulator.micro_step.numpy()) == 0:
+            return
+        if "pending" not in self._functions:
+
+            def pending_in_replica():
+                # No last micro-step moved the statistics: they move here.
+                model._apply_statistics(None)
+                model._update(ops.greater(model._accumulator.micro_step, 0))
+
+            @tf.function(autograph=False)
+            def pending():
+                model.distribute_strategy.run(pending_in_replica)
+
+            self._functions["pending"] = pending
+        self._functions["pending"]()
