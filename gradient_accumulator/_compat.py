@@ -65,6 +65,40 @@ def optimizer_chain(optimizer):
     return chain
 
 
+def seed_generator_states(layer):
+    """The state variables of the random seed generators of ``layer`` and its sublayers.
+
+    Keras tracks a layer's ``SeedGenerator`` objects (Dropout's, the noise
+    and random layers') in ``_seed_generators``; no public list holds them.
+    """
+    states = []
+    for each in [layer, *sublayers(layer)]:
+        states += [generator.state for generator in getattr(each, "_seed_generators", [])]
+    return states
+
+
+def is_variable(value):
+    """Whether ``value`` is a Keras variable.
+
+    ``keras.Variable`` is not their class before Keras 3.4 (an export class
+    of its own); the backend's variable class (``keras.src.backend.Variable``)
+    is, in every supported version.
+    """
+    from keras.src.backend import Variable
+
+    return isinstance(value, Variable)
+
+
+def raw_value(variable):
+    """``variable``'s value in its own dtype, not autocast.
+
+    Inside a layer's ``call`` under a mixed precision policy, Keras reads a
+    float variable cast to the compute dtype (``variable.value``); its
+    TensorFlow variable (``_value``) reads the stored value.
+    """
+    return tf.convert_to_tensor(variable._value)
+
+
 _reductions = threading.local()
 
 

@@ -26,6 +26,7 @@ from gradient_accumulator.distribute import logs_for_keras
 from gradient_accumulator.engine import GradientAccumulator, StateEntry, update_step_scope
 from gradient_accumulator.optimizer import check_optimizer_does_not_accumulate
 from gradient_accumulator.runner import GroupRunner
+from gradient_accumulator.state_writes import writes_once_per_update
 from gradient_accumulator.validation import (
     check_accum_steps,
     check_agc_arguments,
@@ -328,7 +329,7 @@ class GradientAccumulateModel(keras.Model):
             update_step_scope(is_update_step),
             tf.GradientTape(persistent=accumulator.num_classes > 1) as tape,
         ):
-            y_pred, micro_loss = self._forward(x, y, sample_weight)
+            y_pred, micro_loss = self._forward(x, y, sample_weight, micro.is_first)
             weighted = weigh_classes(micro_loss, plan, accumulator, micro, tape, self.name)
             objectives = [
                 None if objective is None else self.optimizer.scale_loss(objective)
@@ -377,9 +378,15 @@ class GradientAccumulateModel(keras.Model):
             condition, self.optimizer, self.trainable_variables, self._replica_statistics()
         )
 
-    def _forward(self, x, y, sample_weight):
-        """The forward pass and the loss: ``(y_pred, MicroBatchLoss)`` (call on a tape)."""
-        y_pred = self(x, training=True)
+    def _forward(self, x, y, sample_weight, is_first):
+        """The forward pass and the loss: ``(y_pred, MicroBatchLoss)`` (call on a tape).
+
+        Its writes of layer state happen as the big batch's one call makes
+        them (:func:`~gradient_accumulator.state_writes.writes_once_per_update`);
+        ``is_first``: whether the micro-step starts its group.
+        """
+        with writes_once_per_update(self, x, is_first):
+            y_pred = self(x, training=True)
         batch_size = _batch_size(x, y)
         with recorded_loss_reductions() as reductions:
             loss = compute_training_loss(self, x, y, y_pred, sample_weight)
@@ -469,7 +476,7 @@ class GradientAccumulateModel(keras.Model):
 
         def forward(x, y, sample_weight):
             with update_step_scope(tf.constant(False)):
-                return self._forward(x, y, sample_weight)
+                return self._forward(x, y, sample_weight, False)
 
         plan = discover_classes(
             forward,

@@ -325,3 +325,37 @@ def test_custom_gradients_dropped_frees_a_traced_step_s_variables():
     with _compat.custom_gradients_dropped():
         traced_step()
     assert memory() - before < 2**20
+
+
+def test_layer_state_internals():
+    # state_writes: the seed generators' states, the variables a layer holds
+    # untracked, and a variable's stored value inside an autocast call.
+    inputs = keras.Input((3, 4), batch_size=2)
+    dropout = keras.layers.Dropout(0.5)
+    rnn = keras.layers.SimpleRNN(2, stateful=True)
+    model = keras.Model(inputs, rnn(dropout(inputs)))
+    states = _compat.seed_generator_states(model)
+    assert any(state is dropout.seed_generator.state for state in states), _changed(
+        "Layer._seed_generators", "no longer lists a layer's SeedGenerator objects"
+    )
+    assert _compat.is_variable(rnn.states[0]), _changed("keras.src.backend.Variable", "moved")
+    assert not _compat.is_variable(tf.zeros(()))
+
+    seen = {}
+
+    class Reads(keras.layers.Layer):
+        def build(self, input_shape):
+            self.stored = self.add_weight(shape=(), initializer="ones", trainable=False)
+
+        def call(self, x):
+            seen["autocast"] = self.stored.value.dtype
+            seen["raw"] = _compat.raw_value(self.stored).dtype
+            return x
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        Reads()(keras.ops.ones((1, 2)))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert seen["autocast"] == tf.float16  # what `raw_value` must avoid
+    assert seen["raw"] == tf.float32, _changed("Variable._value", "no longer the stored value")

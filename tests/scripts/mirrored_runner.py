@@ -10,7 +10,8 @@ Adam). The model wrapper's data: two whole groups and a shorter one, whose
 last micro-batch holds 2 samples (one per replica), as arrays
 (``steps_per_execution`` 1 or 3) or as a generator of unknown length. The
 optimizer wrapper (plain Keras ``fit``): three whole groups of arrays.
-Prints one results line (see ``tests/scripts/__init__.py``), per case:
+``spectral_normalization``: a layer that writes its state in every training
+call (see the case). Prints one results line (see ``tests/scripts/__init__.py``), per case:
 ``diff`` (max |weight difference|), ``updates`` and ``reference_updates``,
 ``moved`` (the reference's distance from the initial weights).
 """
@@ -88,6 +89,32 @@ def optimizer_case(accum_steps):
     return case
 
 
+def spectral_case(strategy):
+    """A ``SpectralNormalization`` layer (it writes its kernel in every
+    training call), accum_steps 4, two whole groups and a shorter one."""
+
+    def build(cls=keras.Model, **kwargs):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((5,))
+        hidden = keras.layers.SpectralNormalization(keras.layers.Dense(16, activation="tanh"))
+        return cls(inputs=inputs, outputs=keras.layers.Dense(1)(hidden(inputs)), **kwargs)
+
+    x, y = make_regression_data(GLOBAL_MICRO_BATCH * 8 + GLOBAL_MICRO_BATCH + 2)
+    reference = build()
+    reference.compile(OPTIMIZERS["adam"](), "mse")
+    reference.fit(x, y, batch_size=GLOBAL_MICRO_BATCH * 4, shuffle=False, verbose=0)
+    with strategy.scope():
+        model = build(GradientAccumulateModel, accum_steps=4)
+        model.compile(OPTIMIZERS["adam"](), "mse")
+    model.fit(x, y, batch_size=GLOBAL_MICRO_BATCH, shuffle=False, verbose=0)
+    return {
+        "diff": max_abs_diff(reference.get_weights(), model.get_weights()),
+        "updates": updates(model.optimizer),
+        "reference_updates": updates(reference.optimizer),
+        "moved": max_abs_diff(reference.get_weights(), build().get_weights()),
+    }
+
+
 CASES = {
     **{
         f"model-k{k}-{data}": model_case(k, data)
@@ -95,6 +122,7 @@ CASES = {
         for data in ("spe1", "spe3", "unknown_length")
     },
     **{f"optimizer-k{k}": optimizer_case(k) for k in (33, 128)},
+    "spectral_normalization": spectral_case,
 }
 
 
