@@ -26,7 +26,7 @@ from gradient_accumulator.distribute import logs_for_keras
 from gradient_accumulator.engine import GradientAccumulator, StateEntry, update_step_scope
 from gradient_accumulator.optimizer import check_optimizer_does_not_accumulate
 from gradient_accumulator.runner import GroupRunner
-from gradient_accumulator.state_writes import writes_once_per_update
+from gradient_accumulator.state_writes import StateWrites
 from gradient_accumulator.validation import (
     check_accum_steps,
     check_agc_arguments,
@@ -382,10 +382,10 @@ class GradientAccumulateModel(keras.Model):
         """The forward pass and the loss: ``(y_pred, MicroBatchLoss)`` (call on a tape).
 
         Its writes of layer state happen as the big batch's one call makes
-        them (:func:`~gradient_accumulator.state_writes.writes_once_per_update`);
+        them (:meth:`~gradient_accumulator.state_writes.StateWrites.once_per_update`);
         ``is_first``: whether the micro-step starts its group.
         """
-        with writes_once_per_update(self, x, is_first):
+        with self._state_writes.once_per_update(x, is_first):
             y_pred = self(x, training=True)
         batch_size = _batch_size(x, y)
         with recorded_loss_reductions() as reductions:
@@ -690,6 +690,7 @@ class GradientAccumulateModel(keras.Model):
         # A tf.Module: TF's checkpoint tracking picks it up, Keras's weight
         # tracking does not, so the sums are saved but are not model weights.
         self._accumulator = accumulator
+        self._state_writes = StateWrites(self)
         self._runner.reset()
         self._classes_discovered = False
         self._normaliser_classes = None

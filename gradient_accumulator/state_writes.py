@@ -5,7 +5,7 @@ Some layers assign their own variables in every training call: Keras's
 kernel (and its vector ``u``) before using it. The big batch makes one call
 per update; ``accum_steps`` micro-batches make ``accum_steps`` calls, and the
 kernel would be normalised again at each one. Within
-:func:`writes_once_per_update` (entered by the model wrapper around the
+:meth:`StateWrites.once_per_update` (entered by the model wrapper around the
 forward pass of a micro-step), every such write of the model's variables
 follows one rule, decided by what the written value depends on:
 
@@ -29,7 +29,6 @@ the forward pass, made at the first eager micro-step.
 
 import contextlib
 import threading
-import weakref
 
 import keras
 import tensorflow as tf
@@ -44,21 +43,8 @@ from gradient_accumulator._compat import (
 
 _WRITES = ("assign", "assign_add", "assign_sub")
 _lock = threading.Lock()
-_installed = {}  # id(variable) -> [variable, installations, originals]
+_installed = {}  # id(variable) -> [installations, the original methods]
 _frames = threading.local()
-# Per model, per variable: whether its write depends on the micro-batch, as
-# learnt from a symbolic trace (eager mode).
-_dependence = weakref.WeakKeyDictionary()
-
-
-class _Frame:
-    """One micro-step's forward pass: its place, its inputs, and what was learnt of its writes."""
-
-    def __init__(self, model, inputs, is_first, record=None):
-        self.model = model
-        self.sources = {t.ref() for t in _symbolic(inputs)}
-        self.is_first = is_first
-        self.record = record  # a dict to fill (a classification trace) or None
 
 
 def _symbolic(structure):
@@ -71,8 +57,7 @@ def _symbolic(structure):
 
 def _outer(tensor):
     """The tensor of the enclosing graph that ``tensor`` (a function's capture) stands for."""
-    graph = tensor.graph
-    for external, internal in getattr(graph, "captures", ()):
+    for external, internal in getattr(tensor.graph, "captures", ()):
         if internal is tensor:
             return external
     return None
@@ -100,7 +85,7 @@ def depends_on(tensor, sources):
     return False
 
 
-def _state(model):
+def _layer_state(model):
     """Every variable of ``model``'s layers: its ``variables`` and those its layers hold untracked.
 
     A stateful RNN keeps its states in an attribute that Keras does not
@@ -109,8 +94,7 @@ def _state(model):
     found = {id(v): v for v in model.variables}
     for layer in sublayers(model):
         for value in vars(layer).values():
-            items = value if isinstance(value, (list, tuple)) else [value]
-            for item in items:
+            for item in value if isinstance(value, (list, tuple)) else [value]:
                 if is_variable(item):
                     found.setdefault(id(item), item)
     return list(found.values())
@@ -125,128 +109,130 @@ def _exempt(model):
     return exempt
 
 
-def _refuse(model, variable):
-    raise ValueError(
-        f"A layer of model '{model.name}' writes its variable `{variable.path}` in every "
-        "training call with a value computed from the micro-batch: each of the "
-        f"`accum_steps={model.accum_steps}` micro-steps would write its own, and none is "
-        "what the big batch's one call writes, so training would silently differ from "
-        "the big batch. Train this model with `accum_steps=1`, or keep that state out "
-        "of the training call (a BatchNormalization layer's statistics: "
-        "`AccumBatchNormalization`). Received: a write of "
-        f"`{variable.path}` that depends on the inputs."
-    )
-
-
-def _depends(frame, variable, value):
-    """Whether this write's value depends on the micro-batch (``None``: unknown, eager)."""
-    known = _dependence.setdefault(frame.model, {})
-    tensor = value if tf.is_tensor(value) else None
-    if tensor is not None and not isinstance(tensor, tf.__internal__.EagerTensor):
-        known[id(variable)] = depends_on(tensor, frame.sources)
-    elif tensor is None:
-        known.setdefault(id(variable), False)  # a constant
-    return known.get(id(variable))
-
-
-def _patched(variable, name, original):
-    def write(value, *args, **kwargs):
-        stack = getattr(_frames, "stack", None)
-        frame = stack[-1] if stack else None
-        if frame is None or frame.model is None:
-            return original(value, *args, **kwargs)
-        depends = _depends(frame, variable, value)
-        if frame.record is not None:
-            frame.record[id(variable)] = depends
-            return original(value, *args, **kwargs)
-        if depends:
-            _refuse(frame.model, variable)
-        is_first = frame.is_first
-        if isinstance(is_first, bool):
-            return original(value, *args, **kwargs) if is_first else value
-        # A write of the value it holds where not first: no conditional
-        # (a variable of several replicas is written with a merge_call,
-        # which a conditional in replica context cannot hold).
-        value = ops.convert_to_tensor(value, variable.dtype)
-        if name != "assign":
-            value = ops.where(is_first, value, ops.zeros_like(value))
-            return original(value, *args, **kwargs)
-        return original(ops.where(is_first, value, raw_value(variable)), *args, **kwargs)
-
-    return write
-
-
-def _install(variables):
-    with _lock:
-        for variable in variables:
-            entry = _installed.get(id(variable))
-            if entry is None:
-                originals = {name: getattr(variable, name) for name in _WRITES}
-                for name, original in originals.items():
-                    setattr(variable, name, _patched(variable, name, original))
-                entry = _installed[id(variable)] = [variable, 0, originals]
-            entry[1] += 1
-
-
-def _uninstall(variables):
-    with _lock:
-        for variable in variables:
-            entry = _installed[id(variable)]
-            entry[1] -= 1
-            if entry[1] == 0:
-                for name in _WRITES:
-                    delattr(variable, name)
-                del _installed[id(variable)]
-
-
-@contextlib.contextmanager
-def _frame(frame, variables):
-    _install(variables)
-    stack = _frames.__dict__.setdefault("stack", [])
-    stack.append(frame)
-    try:
-        yield
-    finally:
-        stack.pop()
-        _uninstall(variables)
-
-
-@contextlib.contextmanager
-def writes_once_per_update(model, inputs, is_first):
-    """Within, the model's variables are written as the big batch's one training call writes them.
-
-    Enter around the forward pass of a micro-step, in replica context. A
-    write whose value depends on the layer's state only is made where
-    ``is_first`` and skipped elsewhere; one that depends on ``inputs`` (the
-    micro-batch's) is refused, BatchNormalization statistics and seed
-    generator states excepted (they write as they do without accumulation).
-    Nothing changes with ``accum_steps=1``.
+class StateWrites:
+    """The rule for one model's writes of its own state in a training call.
 
     Args:
-        model: The ``GradientAccumulateModel``.
-        inputs: The micro-batch's model inputs (a structure of tensors).
-        is_first: Boolean (Python or scalar tensor), whether the micro-step
-            starts its group.
+        model: The ``GradientAccumulateModel``, built. Its variables are read
+            here, once: the rule covers every variable of its layers but
+            BatchNormalization statistics and seed generator states (none at
+            ``accum_steps=1``, where each micro-step is its group).
     """
-    if model.accum_steps == 1:
-        yield
-        return
-    exempt = _exempt(model)
-    variables = [v for v in _state(model) if id(v) not in exempt]
-    if tf.executing_eagerly() and model not in _dependence:
-        _classify_symbolically(model, inputs, variables)
-    with _frame(_Frame(model, inputs, is_first), variables):
-        yield
 
+    def __init__(self, model):
+        self._model = model
+        self.variables = []
+        if model.accum_steps != 1:
+            exempt = _exempt(model)
+            self.variables = [v for v in _layer_state(model) if id(v) not in exempt]
+        # Per variable id: whether its write depends on the micro-batch, as
+        # the traced graph shows it (or, in eager mode, a symbolic trace).
+        self._depends = {}
+        self._sources = set()
+        self._is_first = None
+        self._recording = False
 
-def _classify_symbolically(model, inputs, variables):
-    """Records what each write depends on, from one symbolic trace of the training call."""
-    record = {}
+    @contextlib.contextmanager
+    def once_per_update(self, inputs, is_first):
+        """Within, the model's state is written as the big batch's one training call writes it.
 
-    def forward(x):
-        with _frame(_Frame(model, x, False, record), variables):
-            model(x, training=True)
+        Enter around the forward pass of a micro-step, in replica context. A
+        write whose value depends on the layer's state only is made where
+        ``is_first`` and skipped elsewhere; one that depends on ``inputs``
+        (the micro-batch's) is refused.
 
-    specs = tf.nest.map_structure(lambda t: tf.TensorSpec((None, *t.shape[1:]), t.dtype), inputs)
-    tf.function(forward, autograph=False).get_concrete_function(specs)
-    _dependence[model] = record
+        Args:
+            inputs: The micro-batch's model inputs (a structure of tensors).
+            is_first: Boolean (Python or scalar tensor), whether the
+                micro-step starts its group.
+        """
+        if not self.variables:
+            yield
+            return
+        if tf.executing_eagerly() and not self._depends:
+            self._classify(inputs)
+        with self._frame(inputs, is_first, recording=False):
+            yield
+
+    @contextlib.contextmanager
+    def _frame(self, inputs, is_first, recording):
+        # Replicas trace in threads of their own: each pushes its own frame,
+        # and the variables' write methods stay replaced until the last
+        # frame is gone.
+        frame = {"sources": {t.ref() for t in _symbolic(inputs)}, "is_first": is_first}
+        frame["recording"] = recording
+        with _lock:
+            for variable in self.variables:
+                entry = _installed.get(id(variable))
+                if entry is None:
+                    originals = {name: getattr(variable, name) for name in _WRITES}
+                    for name, original in originals.items():
+                        setattr(variable, name, self._write(variable, name, original))
+                    entry = _installed[id(variable)] = [0, originals]
+                entry[0] += 1
+        stack = _frames.__dict__.setdefault("stack", [])
+        stack.append(frame)
+        try:
+            yield
+        finally:
+            stack.pop()
+            with _lock:
+                for variable in self.variables:
+                    entry = _installed[id(variable)]
+                    entry[0] -= 1
+                    if entry[0] == 0:
+                        for name in _WRITES:
+                            delattr(variable, name)
+                        del _installed[id(variable)]
+
+    def _write(self, variable, name, original):
+        """``variable``'s write method ``name`` under the rule."""
+
+        def write(value, *args, **kwargs):
+            stack = getattr(_frames, "stack", None)
+            if not stack:
+                return original(value, *args, **kwargs)
+            frame = stack[-1]
+            if tf.is_tensor(value) and not isinstance(value, tf.__internal__.EagerTensor):
+                self._depends[id(variable)] = depends_on(value, frame["sources"])
+            if self._depends.get(id(variable), False) and not frame["recording"]:
+                self._refuse(variable)
+            is_first = frame["is_first"]
+            if frame["recording"] or is_first is True:
+                return original(value, *args, **kwargs)
+            if is_first is False:
+                return value
+            # Where not first, a write of what it holds: no conditional (a
+            # variable of several replicas is written with a merge_call,
+            # which a conditional in replica context cannot hold).
+            value = ops.convert_to_tensor(value, variable.dtype)
+            kept = raw_value(variable) if name == "assign" else ops.zeros_like(value)
+            return original(ops.where(is_first, value, kept), *args, **kwargs)
+
+        return write
+
+    def _refuse(self, variable):
+        model = self._model
+        raise ValueError(
+            f"A layer of model '{model.name}' writes its variable `{variable.path}` in every "
+            "training call with a value computed from the micro-batch: each of the "
+            f"`accum_steps={model.accum_steps}` micro-steps would write its own, and none is "
+            "what the big batch's one call writes, so training would silently differ from "
+            "the big batch. Train this model with `accum_steps=1`, or keep that state out "
+            "of the training call (a BatchNormalization layer's statistics: "
+            "`AccumBatchNormalization`). Received: a write of "
+            f"`{variable.path}` that depends on the inputs."
+        )
+
+    def _classify(self, inputs):
+        """What each write depends on, from one symbolic trace of the training call (eager mode)."""
+
+        def forward(x):
+            with self._frame(x, False, recording=True):
+                self._model(x, training=True)
+
+        specs = tf.nest.map_structure(
+            lambda t: tf.TensorSpec((None, *t.shape[1:]), t.dtype), inputs
+        )
+        tf.function(forward, autograph=False).get_concrete_function(specs)
+        self._depends.setdefault(None, False)  # classified, even with no write seen

@@ -81,6 +81,20 @@ EXPECTED = {
         {"quick", "results"},
         {"model", "batch_size", "choices"},
     ),
+    "accum_scaling": (
+        {"micro_batch", "quick", "accum_steps", "results"},
+        {
+            "model",
+            "mode",
+            "accum_steps",
+            "library_ms_per_micro_batch",
+            "library_over_plain",
+            "library_cpu_over_plain",
+            "first_call_seconds",
+            "program_operations",
+            "peak_rss_growth_mb",
+        },
+    ),
     "bn_overhead": (
         {"accum_steps", "widths", "micro_batch", "goal", "single_device", "mirrored"},
         {"mode", "accum_over_keras", "accumulate_only_over_keras", "update_step_over_keras"},

@@ -1,0 +1,240 @@
+"""How fit's cost grows with accum_steps: time per micro-batch, first call, program size, memory.
+
+For ``accum_steps`` 1, 4, 16, 64 and 256, in graph mode and with XLA, on the
+dense model and MobileNetV2 of ``fit_time``, each point in a fresh process:
+
+- **time per micro-batch**: ``GradientAccumulateModel.fit`` and plain Keras
+  ``fit`` at the same micro-batch, epochs of 256 micro-batches (one group at
+  ``accum_steps=256``) taking turns (3 rounds); the figure is the median of
+  the per-round ratio library / plain, wall and process CPU time, and the
+  library's own milliseconds;
+- **first call**: the wall time of the first epoch (tracing, XLA compiling
+  and the epoch's work) minus a steady epoch's, i.e. what tracing and
+  compiling cost;
+- **program size**: the operations of every traced function the group runs
+  (the group's function and, under XLA, its compiled micro-step and update),
+  nested function bodies included;
+- **memory**: the peak RSS during a steady epoch above the RSS before it.
+
+The data is four micro-batches repeated (``steps_per_epoch`` micro-batches
+an epoch, a known length: whole groups), so that no input copy grows with
+``accum_steps``. Goal: time per micro-batch flat or falling in
+``accum_steps``, first call, program size and memory independent of it.
+
+Run: ``python -m benchmarks.accum_scaling`` (~15 min on 2 cores;
+``--models dense --modes graph`` for a part; ``--quick`` for CI: the dense
+model in graph mode at accum_steps 1 and 4, figures meaningless).
+"""
+
+import json
+import sys
+import time
+
+from benchmarks._common import (
+    MIB,
+    add_parts,
+    chosen_parts,
+    dense_model,
+    median,
+    median_ratio,
+    mobilenetv2,
+    parser,
+    peak_rss_mb,
+    print_table,
+    reset_peak_rss,
+    rss_mb,
+    run_child,
+    save,
+)
+
+MICRO_BATCH = 16
+ACCUM_STEPS = (1, 4, 16, 64, 256)
+EPOCH = 256  # micro-batches
+ROUNDS = 3
+MODELS = {
+    "dense": (lambda: dense_model(features=64 * 64 * 3, width=256), (64 * 64 * 3,)),
+    "mobilenetv2": (lambda: mobilenetv2(size=64, alpha=0.35), (64, 64, 3)),
+}
+MODES = ("graph", "jit")
+QUICK = {
+    "models": ("dense",),
+    "modes": ("graph",),
+    "accum_steps": (1, 4),
+    "rounds": 1,
+    "epoch": 8,
+}
+
+
+def _operations(function):
+    """Operations of a ``tf.function``'s traced graphs, nested function bodies included."""
+    total = 0
+    for concrete in function._list_all_concrete_functions():
+        graphs, seen = [concrete.graph], set()
+        while graphs:
+            graph = graphs.pop()
+            if id(graph) in seen:
+                continue
+            seen.add(id(graph))
+            total += len(graph.get_operations())
+            graphs.extend(f.graph for f in graph._functions.values() if hasattr(f, "graph"))
+    return total
+
+
+def child(config):
+    """One (model, mode, accum_steps) point; prints its record as JSON."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from gradient_accumulator import GradientAccumulateModel
+
+    builder, shape = MODELS[config["model"]]
+    accum_steps, jit = config["accum_steps"], config["mode"] == "jit"
+    steps = config["epoch"]
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4 * MICRO_BATCH, *shape)).astype("float32")
+    y = rng.integers(0, 10, size=(4 * MICRO_BATCH,)).astype("int32")
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(MICRO_BATCH).repeat()
+
+    def build(cls, **kwargs):
+        inputs, outputs = builder()
+        model = cls(inputs=inputs, outputs=outputs, **kwargs)
+        loss = "sparse_categorical_crossentropy"
+        model.compile(keras.optimizers.Adam(1e-3), loss, jit_compile=jit)
+        return model
+
+    library = build(GradientAccumulateModel, accum_steps=accum_steps)
+    plain = build(keras.Model)
+
+    def epoch(model):
+        start, cpu = time.perf_counter(), time.process_time()
+        model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0)
+        return time.perf_counter() - start, time.process_time() - cpu
+
+    first, _ = epoch(library)
+    epoch(plain)
+    before = rss_mb()
+    reset_peak_rss()
+    steady, _ = epoch(library)
+    memory = peak_rss_mb() - before
+    walls, cpus = {"library": [], "plain": []}, {"library": [], "plain": []}
+    for round_ in range(config["rounds"]):
+        order = (library, plain) if round_ % 2 == 0 else (plain, library)
+        for model in order:
+            name = "library" if model is library else "plain"
+            wall, cpu = epoch(model)
+            walls[name].append(wall / steps)
+            cpus[name].append(cpu / steps)
+    functions = library._runner._functions
+    traced = [functions["group"], *functions.get("xla", ())[:1], *functions.get("xla", ())[2:]]
+    record = {
+        **config,
+        "micro_batch": MICRO_BATCH,
+        "library_ms_per_micro_batch": 1e3 * median(walls["library"]),
+        "plain_ms_per_micro_batch": 1e3 * median(walls["plain"]),
+        "library_over_plain": median_ratio(walls["library"], walls["plain"]),
+        "library_cpu_over_plain": median_ratio(cpus["library"], cpus["plain"]),
+        "first_call_seconds": first - steady,
+        "first_fit_seconds": first,
+        "program_operations": sum(_operations(f) for f in traced),
+        "peak_rss_growth_mb": memory,
+        "sums_mb": sum(int(np.prod(v.shape)) * 4 for v in library.trainable_variables) / MIB,
+    }
+    print(json.dumps(record))
+
+
+def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        child(json.loads(sys.argv[2]))
+        return
+    p = parser(__doc__.splitlines()[0])
+    add_parts(p, MODELS)
+    args = p.parse_args()
+    models, modes = chosen_parts(p, args, MODELS)
+    if args.quick:
+        models, modes = QUICK["models"], QUICK["modes"]
+    steps = QUICK["accum_steps"] if args.quick else ACCUM_STEPS
+    rounds = QUICK["rounds"] if args.quick else ROUNDS
+    epoch = QUICK["epoch"] if args.quick else EPOCH
+    records = []
+    for model in models:
+        for mode in modes:
+            for accum_steps in steps:
+                config = {
+                    "model": model,
+                    "mode": mode,
+                    "accum_steps": accum_steps,
+                    "rounds": rounds,
+                    "epoch": epoch,
+                }
+                records.append(run_child("benchmarks.accum_scaling", config))
+                print(json.dumps(records[-1]), flush=True)
+    print_table(
+        f"fit's cost against accum_steps (micro-batch {MICRO_BATCH}, Adam; time: medians of "
+        f"{rounds} per-round ratios to plain fit at the same micro-batch)",
+        [
+            "model",
+            "mode",
+            "k",
+            "ms/micro-batch",
+            "/ plain",
+            "CPU / plain",
+            "first call s",
+            "program ops",
+            "peak RSS growth MiB",
+        ],
+        [
+            [
+                r["model"],
+                r["mode"],
+                r["accum_steps"],
+                f"{r['library_ms_per_micro_batch']:.2f}",
+                f"{r['library_over_plain']:.3f}",
+                f"{r['library_cpu_over_plain']:.3f}",
+                f"{r['first_call_seconds']:.2f}",
+                r["program_operations"],
+                f"{r['peak_rss_growth_mb']:.1f}",
+            ]
+            for r in records
+        ],
+    )
+
+    def plot(ax):
+        for model in models:
+            for mode in modes:
+                points = [r for r in records if r["model"] == model and r["mode"] == mode]
+                ax.plot(
+                    [r["accum_steps"] for r in points],
+                    [r["library_over_plain"] for r in points],
+                    marker="o",
+                    label=f"{model} {mode}: time per micro-batch / plain",
+                )
+                ax.plot(
+                    [r["accum_steps"] for r in points],
+                    [r["first_call_seconds"] / max(points[0]["first_call_seconds"], 1e-9)
+                     for r in points],
+                    marker="x",
+                    linestyle="--",
+                    label=f"{model} {mode}: first call / first call at k=1",
+                )
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("accum_steps")
+        ax.set_ylabel("ratio")
+        ax.legend(fontsize=6)
+
+    save(
+        args.out,
+        "accum_scaling_quick" if args.quick else "accum_scaling",
+        {
+            "micro_batch": MICRO_BATCH,
+            "quick": args.quick,
+            "accum_steps": list(steps),
+            "results": records,
+        },
+        plot=plot,
+    )
+
+
+if __name__ == "__main__":
+    main()
