@@ -237,9 +237,7 @@ def _group_means(plan, sums, weights, count):
         weights: Per class, the group's divisor.
         count: The number of variables.
     """
-    in_place = plan.reduced_every_micro_step or (
-        tf.distribute.get_strategy().num_replicas_in_sync == 1
-    )
+    in_place = plan.case != REDUCED_ONCE_PER_UPDATE
     terms = {}
     for (i, c, acc), total in zip(plan.slots, sums):
         terms.setdefault(i, []).append((acc, acc if in_place else total, c))
@@ -316,6 +314,23 @@ def _sum_name(variable):
     return path.replace("/", "_").replace(":", "_") + "_accumulator"
 
 
+# The update's cases: how the group's sums reach the optimizer
+# (`_UpdatePlan.case`, decided when the update is traced). A loss scale (a
+# `LossScaleOptimizer`, which skips non-finite updates) adds to any of them:
+# the reset then overwrites non-finite sums (`GradientAccumulator.reset`).
+#: One replica: the sums are the group's; each mean is written into its sum
+#: in place, where the optimizer reads it.
+ONE_REPLICA = "one replica"
+#: Several replicas, sums of their own: the sums, divisors and statistics
+#: cross the replicas in one batched all-reduce; the means are the reduced
+#: tensors divided.
+REDUCED_ONCE_PER_UPDATE = "reduced once per update"
+#: Several replicas, ``reduce_every_micro_step=True``: the sums are global
+#: already; only the statistics cross at the update, the means are written in
+#: place as with one replica.
+REDUCED_EVERY_MICRO_STEP = "reduced every micro-step"
+
+
 class _UpdatePlan:
     """What one update reads (trace time): the sums, the divisors, the statistics.
 
@@ -324,7 +339,9 @@ class _UpdatePlan:
             hold a gradient.
         weight_sums: Per class, its divisor's variable.
         statistics: The ``(value, apply_fn)`` pairs of :meth:`GradientAccumulator.apply_if`.
-        reduced_every_micro_step: Whether the sums are already global.
+        case: The update's case: :data:`ONE_REPLICA`,
+            :data:`REDUCED_ONCE_PER_UPDATE` or :data:`REDUCED_EVERY_MICRO_STEP`
+            (read in replica context).
         takes_maximum: Per variable, whether its sums hold maxima
             (:func:`takes_maximum`), which cross the replicas as a maximum.
     """
@@ -333,8 +350,17 @@ class _UpdatePlan:
         self.slots = slots
         self.weight_sums = weight_sums
         self.statistics = statistics
-        self.reduced_every_micro_step = reduced_every_micro_step
+        if reduced_every_micro_step:
+            self.case = REDUCED_EVERY_MICRO_STEP
+        elif tf.distribute.get_strategy().num_replicas_in_sync == 1:
+            self.case = ONE_REPLICA
+        else:
+            self.case = REDUCED_ONCE_PER_UPDATE
         self.takes_maximum = takes_maximum
+
+    @property
+    def reduced_every_micro_step(self):
+        return self.case == REDUCED_EVERY_MICRO_STEP
 
     def values_to_reduce(self):
         """What crosses the replicas at the update, in one batch (call in replica context).
