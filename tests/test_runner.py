@@ -29,8 +29,27 @@ from tests.helpers import (
 
 MICRO = 2
 # accum_steps -> (whole groups an epoch, epochs): the largest one epoch of one.
-ACCUM_STEPS = {1: (2, 2), 33: (2, 2), 128: (2, 2), 1024: (1, 1)}
+ACCUM_STEPS = {1: (2, 2), 4: (2, 1), 33: (2, 2), 128: (2, 2), 1024: (1, 1)}
 MODES = {"graph": False, "jit": True}
+# The data: arrays (steps_per_execution 1, 3 or 9), or a generator (unknown
+# length, micro-step by micro-step whatever steps_per_execution).
+DATA = {"arrays": ("arrays", 1), "spe3": ("arrays", 3), "spe9": ("arrays", 9)}
+DATA["unknown_length"] = ("generator", 1)
+# (accum_steps, mode, data): each accum_steps in both modes on arrays, and
+# the other data where the modes and lengths differ (accum_steps 4 with
+# steps_per_execution 9, and 33 or more under XLA, failed before the runner).
+FIT_CASES = [
+    *[(k, mode, "arrays") for k in (1, 33, 128, 1024) for mode in MODES],
+    (1, "graph", "unknown_length"),
+    (1, "jit", "spe3"),
+    (4, "jit", "spe9"),
+    (33, "jit", "spe3"),
+    (33, "graph", "unknown_length"),
+    (33, "jit", "unknown_length"),
+    (128, "graph", "spe3"),
+    (128, "jit", "unknown_length"),
+    (1024, "graph", "unknown_length"),
+]
 
 
 def _samples(accum_steps, groups=2):
@@ -61,17 +80,9 @@ def _reference(x, y, accum_steps, epochs, jit_compile):
     return reference
 
 
-# Data of unknown length runs micro-step by micro-step, whatever steps_per_execution.
-DATA = {
-    "arrays-spe1": ("arrays", 1),
-    "arrays-spe3": ("arrays", 3),
-    "unknown_length": ("generator", 1),
-}
-
-
-@pytest.mark.parametrize("data", list(DATA))
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("accum_steps", list(ACCUM_STEPS), ids=lambda k: f"k{k}")
+@pytest.mark.parametrize(
+    "accum_steps, mode, data", FIT_CASES, ids=[f"k{k}-{m}-{d}" for k, m, d in FIT_CASES]
+)
 def test_fit_equals_the_big_batch_for_every_accum_steps(accum_steps, mode, data):
     groups, epochs = ACCUM_STEPS[accum_steps]
     data, steps_per_execution = DATA[data]
@@ -105,8 +116,11 @@ def test_fit_equals_the_big_batch_for_every_accum_steps(accum_steps, mode, data)
     assert_close(reference.get_weights(), model.get_weights(), FLOAT32_ATOL)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("accum_steps", [1, 33, 128], ids=lambda k: f"k{k}")
+@pytest.mark.parametrize(
+    "accum_steps, mode",
+    [(1, "jit"), (33, "graph"), (128, "jit")],
+    ids=["k1-jit", "k33-graph", "k128-jit"],
+)
 def test_train_on_batch_equals_the_big_batch(accum_steps, mode):
     x, y = make_regression_data(_samples(accum_steps))
     reference = _reference(x, y, accum_steps, 1, MODES[mode])
@@ -119,9 +133,14 @@ def test_train_on_batch_equals_the_big_batch(accum_steps, mode):
     assert_close(reference.get_weights(), model.get_weights(), FLOAT32_ATOL)
 
 
-@pytest.mark.parametrize("steps_per_execution", [1, 3], ids=["spe1", "spe3"])
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("accum_steps", [1, 33, 128], ids=lambda k: f"k{k}")
+OPTIMIZER_CASES = [(1, "jit", 3), (33, "jit", 3), (128, "graph", 1), (128, "jit", 1)]
+
+
+@pytest.mark.parametrize(
+    "accum_steps, mode, steps_per_execution",
+    OPTIMIZER_CASES,
+    ids=[f"k{k}-{m}-spe{n}" for k, m, n in OPTIMIZER_CASES],
+)
 def test_optimizer_wrapper_in_fit_equals_the_big_batch(accum_steps, mode, steps_per_execution):
     # Plain Keras's fit with the optimizer wrapper: equal micro-batches (the
     # wrapper averages micro-steps), three groups.
@@ -228,13 +247,13 @@ def test_batch_hooks_run_once_per_update(tmp_path, data):
 # jit_compile is refused there, tests/test_distribute.py): the cases of one
 # fresh process against one device at the global big batch.
 MIRRORED_CASES = {
-    **{
-        f"model-k{k}-{data}": 3  # two whole groups and a shorter one
-        for k in (1, 33, 128)
-        for data in ("spe1", "spe3", "unknown_length")
-    },
+    # Two whole groups and a shorter one.
+    "model-k1-spe3": 3,
+    "model-k33-spe1": 3,
+    "model-k33-unknown_length": 3,
+    "model-k128-spe3": 3,
+    "model-k128-unknown_length": 3,
     "optimizer-k33": 3,  # three whole groups
-    "optimizer-k128": 3,
     # tests/test_state_writes.py: written once per update, on two replicas too.
     "spectral_normalization": 3,
 }
