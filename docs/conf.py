@@ -10,6 +10,10 @@ import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# choose_micro_batch's examples read the CPU allocator's statistics, which
+# TensorFlow keeps only with oneDNN on (on by default only on some CPUs): set
+# before anything imports TensorFlow, as the micro-batch guide tells users to.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 sys.path.insert(0, os.path.abspath(".."))
 sys.path.insert(0, os.path.abspath("_ext"))
 

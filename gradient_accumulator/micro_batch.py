@@ -3,6 +3,7 @@
 import dataclasses
 import gc
 import numbers
+import os
 import re
 import time
 
@@ -125,6 +126,22 @@ def _memory_devices():
     """The allocators to read: every GPU's, else the CPU's (logical CPUs share it)."""
     gpus = tf.config.list_logical_devices("GPU")
     return [d.name for d in gpus] if gpus else ["/device:CPU:0"]
+
+
+def _check_memory_statistics(devices):
+    """Refuses, before any try, where TensorFlow keeps no allocator statistics to read."""
+    for device in devices:
+        try:
+            tf.config.experimental.reset_memory_stats(device)
+        except ValueError as error:
+            raise RuntimeError(
+                "`choose_micro_batch` reads the allocator's peak, and TensorFlow keeps no "
+                f"memory statistics for {device} in this process. On a CPU it keeps them "
+                "only with oneDNN on, which TensorFlow turns on by default only on some "
+                "CPUs: set TF_ENABLE_ONEDNN_OPTS=1 in the environment before TensorFlow is "
+                "imported (or choose on a GPU). Received: TF_ENABLE_ONEDNN_OPTS="
+                f"{os.environ.get('TF_ENABLE_ONEDNN_OPTS', '(not set)')}"
+            ) from error
 
 
 def _stream(data, micro_batch, batches):
@@ -326,6 +343,7 @@ def choose_micro_batch(
             "Pass the memory training may use, e.g. memory_budget='8 GiB'. "
             "Received: memory_budget=None"
         )
+    _check_memory_statistics(devices)
     _check_arrays(x, y, sample_weight)
     start = time.perf_counter()
     tries = []

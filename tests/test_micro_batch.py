@@ -28,6 +28,7 @@ from tests.helpers import (
     build_wide_conv,
     make_image_data,
     max_abs_diff,
+    run_python,
     run_script_module,
     script_results,
 )
@@ -256,6 +257,23 @@ def test_a_budget_is_required_without_a_gpu():
     message = "`memory_budget` is required without a GPU.*memory_budget=None"
     with pytest.raises(ValueError, match=message):
         choose_micro_batch(build_accumulating, X, Y, batch_size=8)
+
+
+@pytest.mark.slow
+def test_without_allocator_statistics_the_search_refuses_with_the_fix():
+    """oneDNN off: TensorFlow keeps no CPU statistics; the error says so before any try."""
+    code = (
+        "from gradient_accumulator import choose_micro_batch\n"
+        "from tests.test_micro_batch import X, Y, build_accumulating\n"
+        "try:\n"
+        "    choose_micro_batch(build_accumulating, X, Y, batch_size=8, memory_budget='1 GiB')\n"
+        "except RuntimeError as error:\n"
+        "    print(error)\n"
+    )
+    printed = run_python(["-c", code], env={"TF_ENABLE_ONEDNN_OPTS": "0"})
+    assert "keeps no memory statistics for /device:CPU:0" in printed, printed
+    assert "set TF_ENABLE_ONEDNN_OPTS=1" in printed
+    assert "Received: TF_ENABLE_ONEDNN_OPTS=0" in printed
 
 
 def test_the_tries_leave_no_model_in_memory():
