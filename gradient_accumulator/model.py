@@ -22,6 +22,7 @@ from gradient_accumulator._compat import (
 from gradient_accumulator._v05 import REMOVED_MODEL_ARGUMENTS
 from gradient_accumulator.agc import adaptive_clip_gradients
 from gradient_accumulator.batchnorm_averaging import AverageBatchNormStatistics
+from gradient_accumulator.coupled import CoupledGroup, check_coupled_loss
 from gradient_accumulator.distribute import logs_for_keras
 from gradient_accumulator.engine import GradientAccumulator, StateEntry, update_step_scope
 from gradient_accumulator.optimizer import check_optimizer_does_not_accumulate
@@ -51,6 +52,7 @@ _WRAPPER_ARGUMENTS = (
     "eps",
     "reduce_every_micro_step",
     "average_batchnorm_statistics",
+    "coupled_loss",
 )
 
 # What `keras.Model` takes besides them: a functional model's `inputs`,
@@ -177,6 +179,14 @@ class GradientAccumulateModel(keras.Model):
             before validation, at epoch ends and at the end of training
             (:class:`~gradient_accumulator.AverageBatchNormStatistics`).
             Defaults to ``True``.
+        coupled_loss: ``None``, or ``"replica"``/``"global"`` for a loss
+            that compares the samples of a batch with each other (a
+            contrastive loss with in-batch negatives): ``fit`` then computes
+            the loss, and the metrics, on each group's whole batch at once,
+            in two forward passes per micro-batch
+            (:doc:`/guides/contrastive`). ``None`` (the default): each
+            sample's loss depends on its own outputs only, and each
+            micro-batch's loss is computed on its own.
         **kwargs: Passed to ``keras.Model``, usually ``inputs=`` and
             ``outputs=``.
 
@@ -201,6 +211,7 @@ class GradientAccumulateModel(keras.Model):
         eps: float = 1e-3,
         reduce_every_micro_step: bool = False,
         average_batchnorm_statistics: bool = True,
+        coupled_loss: str | None = None,
         **kwargs,
     ):
         check_keyword_arguments(
@@ -217,9 +228,11 @@ class GradientAccumulateModel(keras.Model):
             "average_batchnorm_statistics", average_batchnorm_statistics
         )
         self.use_agc, self.clip_factor, self.eps = check_agc_arguments(use_agc, clip_factor, eps)
+        self.coupled_loss = check_coupled_loss(coupled_loss)
         super().__init__(*args, **kwargs)
         self._accumulator = None
         self._runner = GroupRunner(self)
+        self._coupled_group = CoupledGroup(self)
         # The accumulation state's entry in weights files, apart from the
         # model's own variables, so that the plain model of the same graph
         # loads the file (and a file without it loads here).
@@ -293,6 +306,13 @@ class GradientAccumulateModel(keras.Model):
             The logs of the last micro-step (the metrics over every
             micro-step seen since they were reset).
         """
+        if self.coupled_loss is not None and self.accum_steps > 1:
+            raise ValueError(
+                f"`group_step` runs one micro-step per batch, and model '{self.name}' has "
+                f"`coupled_loss={self.coupled_loss!r}`, whose loss is computed on the "
+                "group's outputs at once: train it with `fit`. Received: "
+                f"coupled_loss={self.coupled_loss!r}"
+            )
         return self._runner.group_of_batches(batches)
 
     def _micro_step(self, data, place=None):
@@ -449,9 +469,11 @@ class GradientAccumulateModel(keras.Model):
         return result
 
     def _needs_class_discovery(self):
+        # A coupled loss's group is one loss: one class.
         return (
             self.optimizer is not None
             and self.accum_steps != 1
+            and self.coupled_loss is None
             and not getattr(self, "_classes_discovered", False)
         )
 
@@ -515,6 +537,7 @@ class GradientAccumulateModel(keras.Model):
         self._check_strategy()
         self._check_jit_compile()
         self._check_statistics_layers()
+        self._check_coupled_loss()
         if not force and self.train_function is not None:
             self._check_trainable_variables_unchanged()
         self._ensure_accumulator()
@@ -617,6 +640,18 @@ class GradientAccumulateModel(keras.Model):
             "fails alike). "
             "Compile with `jit_compile=False`, or leave it at 'auto', which Keras "
             "resolves to False under tf.distribute."
+        )
+
+    def _check_coupled_loss(self):
+        """Refuses what the two-pass group does not run yet: several replicas."""
+        replicas = self.distribute_strategy.num_replicas_in_sync
+        if self.coupled_loss is None or self.accum_steps == 1 or replicas == 1:
+            return
+        raise ValueError(
+            f"`coupled_loss={self.coupled_loss!r}` runs on one replica in this release: "
+            f"model '{self.name}' is under {type(self.distribute_strategy).__name__} with "
+            f"{replicas} replicas. Train it on one device, or with coupled_loss=None (each "
+            f"micro-batch's loss on its own). Received: {replicas} replicas"
         )
 
     def _apply_statistics(self, is_update_step):

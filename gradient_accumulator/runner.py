@@ -44,10 +44,29 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from gradient_accumulator._compat import reduce_replica_logs
+from gradient_accumulator._compat import raw_value, reduce_replica_logs, seed_generator_states
 
 WHOLE_GROUPS = "whole groups"
 MICRO_STEPS = "micro-steps"
+
+
+def _tensor_leaves(data):
+    """The tensors of a batch's structure, and what :func:`_packed` puts them back into."""
+    flat = tf.nest.flatten(data)
+    return [t for t in flat if t is not None], (data, [t is None for t in flat])
+
+
+def _packed(structure, leaves):
+    template, missing = structure
+    values = iter(leaves)
+    return tf.nest.pack_sequence_as(template, [None if m else next(values) for m in missing])
+
+
+def _cache(like, length):
+    """A ``TensorArray`` of ``length`` micro-batches' rows of tensors like ``like``."""
+    shape = like.shape[1:] if like.shape.rank else like.shape
+    element = tf.TensorShape([None]).concatenate(shape) if like.shape.rank else shape
+    return tf.TensorArray(like.dtype, size=length, infer_shape=False, element_shape=element)
 
 
 class Place:
@@ -195,10 +214,13 @@ class GroupRunner:
         per_call = model.steps_per_execution
         if boundary is not None:
             per_call *= model.accum_steps
+        coupled = model.coupled_loss is not None and model.accum_steps > 1
         if self.case() == MICRO_STEPS:
+            if coupled:
+                self._refuse_micro_steps()
             return self.micro_steps_function()(iterator, per_call)
         count = min(per_call, boundary.epoch_steps - boundary.first_step)
-        group = self.group_function()
+        group = self.coupled_group_function() if coupled else self.group_function()
         logs = None
         for start in range(0, count, model.accum_steps):
             length = min(model.accum_steps, count - start)
@@ -245,6 +267,121 @@ class GroupRunner:
                 group = tf.function(group, reduce_retracing=True, autograph=False)
             self._functions["group"] = group
         return self._functions["group"]
+
+    def _refuse_micro_steps(self):
+        model = self._model
+        boundary = self.epoch_boundary
+        if boundary is None:
+            what = "`train_on_batch` (one micro-batch at a time)"
+        elif boundary.epoch_steps is None:
+            what = (
+                "`fit` on data of unknown length (pass `steps_per_epoch`, or a "
+                "dataset whose length is known)"
+            )
+        else:
+            what = "an epoch that starts inside a group (a group left pending before `fit`)"
+        raise ValueError(
+            f"Model '{model.name}' has `coupled_loss={model.coupled_loss!r}`: its loss is "
+            "computed on a whole group's outputs at once, so every group runs in one call "
+            f"that sees all of its micro-batches. That cannot be done with {what}. Use "
+            "`fit` on data of known length, from the start of a group."
+        )
+
+    # ------------------------------------------------------------------
+    # Whole groups of a loss that couples the samples
+    # ------------------------------------------------------------------
+
+    def coupled_group_function(self):
+        """One whole group in two passes (``coupled_loss``): ``(iterator, length) -> logs``.
+
+        :mod:`gradient_accumulator.coupled` says why and what each pass is.
+        Here: the first pass, a ``tf.while_loop`` of one micro-batch after
+        the other, fetches each micro-batch and caches it, its outputs and
+        its seed generators' states in ``TensorArray`` s (the first
+        micro-batch peeled off the loop: its outputs give the caches' types);
+        the loss then runs on the caches concatenated; the second pass, a
+        loop again, puts back each micro-batch's seed states and adds its
+        gradients. Then the update. The loops run one iteration at a time
+        (``parallel_iterations=1``), so that one micro-batch's activations
+        are alive at a time. Under XLA, each step is a program of its own.
+        """
+        if "coupled" not in self._functions:
+            model = self._model
+            forward, loss, backward, update = self._coupled_steps()
+
+            def group(iterator, length):
+                seeds = seed_generator_states(model)
+                data = next(iterator)
+                leaves, structure = _tensor_leaves(data)
+                saved = [raw_value(seed) for seed in seeds]
+                outputs = forward(data, tf.constant(True))
+                rows = tf.shape(tf.nest.flatten(data)[0])[0]
+                cached = [*leaves, *outputs, *saved, rows]
+                caches = [_cache(t, length).write(0, t) for t in cached]
+
+                def first_pass(index, caches):
+                    with tf.control_dependencies([c.flow for c in caches]):
+                        data = next(iterator)
+                    saved = [raw_value(seed) for seed in seeds]
+                    outputs = forward(data, tf.constant(False))
+                    rows = tf.shape(tf.nest.flatten(data)[0])[0]
+                    values = [*_tensor_leaves(data)[0], *outputs, *saved, rows]
+                    return index + 1, [c.write(index, v) for c, v in zip(caches, values)]
+
+                _, caches = tf.while_loop(
+                    lambda index, _: index < length,
+                    first_pass,
+                    (tf.constant(1, "int32"), caches),
+                    parallel_iterations=1,
+                )
+                n_leaves, n_outputs = len(leaves), len(outputs)
+                data_caches = caches[:n_leaves]
+                output_caches = caches[n_leaves : n_leaves + n_outputs]
+                seed_caches = caches[n_leaves + n_outputs : -1]
+                rows = caches[-1].stack()
+                group_data = _packed(structure, [c.concat() for c in data_caches])
+                output_grads, logs = loss(group_data, [c.concat() for c in output_caches])
+                grad_caches = [_cache(g, length).split(g, rows) for g in output_grads]
+
+                def second_pass(index, done):
+                    with tf.control_dependencies([done]):
+                        for seed, cache in zip(seeds, seed_caches):
+                            seed.assign(cache.read(index))
+                        data = _packed(structure, [c.read(index) for c in data_caches])
+                    grads = [c.read(index) for c in grad_caches]
+                    return index + 1, backward(data, grads, ops.equal(index, 0))
+
+                tf.while_loop(
+                    lambda index, _: index < length,
+                    second_pass,
+                    (tf.constant(0, "int32"), tf.zeros((), "int64")),
+                    parallel_iterations=1,
+                )
+                update()
+                return logs
+
+            if not model.run_eagerly:
+                group = tf.function(group, reduce_retracing=True, autograph=False)
+            self._functions["coupled"] = group
+        return self._functions["coupled"]
+
+    def _coupled_steps(self):
+        """The two-pass group's ``(forward, loss, backward, update)``, in graph or XLA mode."""
+        model = self._model
+        coupled = model._coupled_group
+        forward, loss, backward = coupled.forward, coupled.loss, coupled.backward
+
+        def update():
+            model._apply_statistics(True)
+            model._update(True)
+
+        if not (model.jit_compile and not model.run_eagerly):
+            return forward, loss, backward, update
+
+        def compiled(fn):
+            return tf.function(fn, reduce_retracing=True, jit_compile=True, autograph=False)
+
+        return compiled(forward), compiled(loss), compiled(backward), compiled(update)
 
     def _group_steps(self):
         """The group's ``(adding, last, update)`` callables, in graph or in XLA mode.

@@ -47,6 +47,11 @@ _installed = {}  # id(variable) -> [installations, the original methods]
 _frames = threading.local()
 
 
+def _skipped(value, *args, **kwargs):
+    """A write not made (:meth:`StateWrites.replayed`): the value, as Keras's writes return it."""
+    return value
+
+
 def _symbolic(structure):
     return [
         t
@@ -125,6 +130,7 @@ class StateWrites:
         if model.accum_steps != 1:
             exempt = _exempt(model)
             self.variables = [v for v in _layer_state(model) if id(v) not in exempt]
+        self._replayed = None  # every layer variable but seed states (see `replayed`)
         # Per variable id: whether its write depends on the micro-batch, as
         # the traced graph shows it (or, in eager mode, a symbolic trace).
         self._depends = {}
@@ -155,35 +161,62 @@ class StateWrites:
             yield
 
     @contextlib.contextmanager
-    def _frame(self, inputs, is_first, recording):
-        # Replicas trace in threads of their own: each pushes its own frame,
-        # and the variables' write methods stay replaced until the last
-        # frame is gone.
-        frame = {"sources": {t.ref() for t in _symbolic(inputs)}, "is_first": is_first}
-        frame["recording"] = recording
+    def replayed(self):
+        """Within, a training call writes none of the model's state but its seed generators'.
+
+        For a forward pass that repeats one already made (the second pass of
+        a group whose loss couples its samples,
+        :mod:`gradient_accumulator.coupled`): the first made the writes, a
+        BatchNormalization layer's statistics included; the repeat computes
+        what the first computed from the state the first left (a layer that
+        writes, then reads its variable, reads what the first wrote). The
+        seed generators' states are the caller's to set, so that the repeat
+        draws the first's random numbers.
+        """
+        if self._replayed is None:
+            seeds = {id(v) for v in seed_generator_states(self._model)}
+            self._replayed = [v for v in _layer_state(self._model) if id(v) not in seeds]
+        with self._patched(self._replayed, lambda variable, name, original: _skipped):
+            yield
+
+    @contextlib.contextmanager
+    def _patched(self, variables, make_write):
+        # The variables' write methods replaced by `make_write(variable, name,
+        # original)`'s, until the last user is gone (replicas trace in threads
+        # of their own). Contexts of different rules are not nested.
         with _lock:
-            for variable in self.variables:
+            for variable in variables:
                 entry = _installed.get(id(variable))
                 if entry is None:
                     originals = {name: getattr(variable, name) for name in _WRITES}
                     for name, original in originals.items():
-                        setattr(variable, name, self._write(variable, name, original))
+                        setattr(variable, name, make_write(variable, name, original))
                     entry = _installed[id(variable)] = [0, originals]
                 entry[0] += 1
-        stack = _frames.__dict__.setdefault("stack", [])
-        stack.append(frame)
         try:
             yield
         finally:
-            stack.pop()
             with _lock:
-                for variable in self.variables:
+                for variable in variables:
                     entry = _installed[id(variable)]
                     entry[0] -= 1
                     if entry[0] == 0:
                         for name in _WRITES:
                             delattr(variable, name)
                         del _installed[id(variable)]
+
+    @contextlib.contextmanager
+    def _frame(self, inputs, is_first, recording):
+        # Replicas trace in threads of their own: each pushes its own frame.
+        frame = {"sources": {t.ref() for t in _symbolic(inputs)}, "is_first": is_first}
+        frame["recording"] = recording
+        stack = _frames.__dict__.setdefault("stack", [])
+        with self._patched(self.variables, self._write):
+            stack.append(frame)
+            try:
+                yield
+            finally:
+                stack.pop()
 
     def _write(self, variable, name, original):
         """``variable``'s write method ``name`` under the rule."""

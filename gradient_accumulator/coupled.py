@@ -1,0 +1,174 @@
+"""Losses that couple the samples of a batch: the group's loss at once, through cached gradients.
+
+A contrastive loss (InfoNCE, CLIP's, in-batch negatives) compares every
+sample of the batch with the others: the loss of ``accum_steps``
+micro-batches, each on its own, is another objective than the big batch's
+(each sample sees ``b - 1`` negatives instead of ``k * b - 1``). With
+``GradientAccumulateModel(coupled_loss=...)`` a group runs in two passes
+(Gao et al. 2021, "Scaling Deep Contrastive Learning Batch Size under
+Memory Limited Setup"):
+
+1. each micro-batch forward, without a tape: its outputs are kept, its
+   activations freed;
+2. the loss (and the metrics) on the whole group's outputs at once, and its
+   gradient with respect to them, ``dL/dy``;
+3. each micro-batch forward again under a tape, its gradient of
+   ``sum(dL/dy_i * y_i)`` added to the sums: the chain rule makes their sum
+   ``dL/dW``. Then one update.
+
+What keeps the two forward passes of a micro-batch the same computation:
+its random seed generators' states are put back to what they were before
+its first pass (the same dropout masks); the second pass writes no layer
+state (:meth:`~gradient_accumulator.state_writes.StateWrites.replayed`), so
+BatchNormalization statistics move once per micro-batch.
+
+The memory of a group: one micro-batch's activations, plus the group's
+inputs and outputs and the loss's own (``N x N`` similarities for ``N``
+samples). The time: one more forward pass per micro-batch.
+"""
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from gradient_accumulator._compat import (
+    build_compiled_metrics_outside_trace,
+    compute_training_loss,
+    loss_tracker,
+)
+from gradient_accumulator.distribute import logs_for_keras
+from gradient_accumulator.engine import update_step_scope
+from gradient_accumulator.weighting import weight_only_loss_count
+
+COUPLED_LOSS_SCOPES = ("replica", "global")
+
+
+def check_coupled_loss(value):
+    """Returns ``value`` (``None``, ``"replica"`` or ``"global"``), or raises a ValueError."""
+    if value is None or value in COUPLED_LOSS_SCOPES:
+        return value
+    raise ValueError(
+        "`coupled_loss` must be None (each sample's loss depends on its own outputs "
+        "only), 'replica' (the loss compares the samples of each replica's batch) or "
+        "'global' (of the batch of every replica). Received: "
+        f"coupled_loss={value!r}"
+    )
+
+
+def _batch_size(x):
+    return ops.shape(tf.nest.flatten(x)[0])[0]
+
+
+class CoupledGroup:
+    """The replica-context steps of a group whose loss couples its samples.
+
+    The runner (:meth:`~gradient_accumulator.runner.GroupRunner.coupled_group_function`)
+    caches what they return between them.
+
+    Args:
+        model: The ``GradientAccumulateModel``.
+    """
+
+    def __init__(self, model):
+        self._model = model
+        self._output_structure = None  # the model's outputs, as the first pass traced them
+
+    def forward(self, data, is_first):
+        """First pass of a micro-batch: its outputs (flat list), no tape kept.
+
+        Its writes of layer state are made as in any micro-step
+        (:meth:`~gradient_accumulator.state_writes.StateWrites.once_per_update`).
+        """
+        model = self._model
+        model._check_trainable_variables_unchanged()
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        with (
+            update_step_scope(tf.constant(False)),
+            model._state_writes.once_per_update(x, is_first),
+        ):
+            y_pred = model(x, training=True)
+        self._check_layer_losses()
+        self._output_structure = tf.nest.map_structure(lambda _: 0, y_pred)
+        return [tf.stop_gradient(t) for t in tf.nest.flatten(y_pred)]
+
+    def _check_layer_losses(self):
+        model = self._model
+        found = len(model.losses) - weight_only_loss_count(model)
+        if found > 0:
+            raise ValueError(
+                f"Model '{model.name}' adds {found} loss term(s) computed from the data in "
+                "its forward pass (an activity regularizer or `add_loss`): with "
+                "`coupled_loss`, the loss is computed on the group's outputs, and these "
+                "terms of each micro-batch's forward pass would not be part of it. Compute "
+                "them from the outputs in the loss (an overridden `compute_loss`), or "
+                f"train with coupled_loss=None. Received: coupled_loss={model.coupled_loss!r}"
+            )
+
+    def loss(self, data, outputs):
+        """The group's loss, on its whole batch: ``(dL/d outputs, logs)``.
+
+        Args:
+            data: The group's batch ``(x, y, sample_weight)``, its
+                micro-batches' rows concatenated.
+            outputs: Flat list of the group's outputs (as :meth:`forward`
+                returns them, concatenated), cast to float32 here: the loss
+                and its gradient are float32 under mixed precision.
+
+        Returns:
+            The float32 gradient of the loss with respect to each output,
+            and the logs (the loss and the compiled metrics of the group).
+        """
+        model = self._model
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        outputs = [ops.cast(t, "float32") for t in outputs]
+        with tf.GradientTape() as tape:
+            tape.watch(outputs)
+            y_pred = tf.nest.pack_sequence_as(self._output_structure, outputs)
+            loss = compute_training_loss(model, x, y, y_pred, sample_weight)
+        grads = tape.gradient(loss, outputs)
+        grads = [ops.zeros_like(t) if g is None else g for t, g in zip(outputs, grads)]
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        loss_tracker(model).update_state(loss * replicas, sample_weight=_batch_size(x))
+        build_compiled_metrics_outside_trace(model, y, y_pred)
+        logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return grads, logs_for_keras(logs, model.distribute_strategy)
+
+    def backward(self, data, output_grads, is_first):
+        """Second pass of a micro-batch: its part of the group's gradient added to the sums.
+
+        The gradient of ``sum(dL/dy * y)`` over its outputs ``y`` (``dL/dy``:
+        ``output_grads``, its rows of :meth:`loss`'s), plus, at the group's
+        first micro-step, the weight regularizers' (which ``dL/dy`` does not
+        carry). Its divisor is 1 at the first micro-step and 0 elsewhere:
+        the sums are the group's gradient itself.
+
+        Returns:
+            The accumulator's micro-step count, read after the adds.
+        """
+        model = self._model
+        accumulator = model._accumulator
+        variables = model.trainable_variables
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        first = ops.cast(is_first, "float32")
+        with (
+            update_step_scope(tf.constant(False)),
+            model._state_writes.replayed(),
+            tf.GradientTape() as tape,
+        ):
+            y_pred = model(x, training=True)
+            objective = ops.sum(
+                ops.stack(
+                    [
+                        ops.sum(ops.cast(t, "float32") * g)
+                        for t, g in zip(tf.nest.flatten(y_pred), output_grads)
+                    ]
+                )
+            )
+            regularizers = model.losses
+            if regularizers:
+                total = ops.sum(ops.stack([ops.cast(r, "float32") for r in regularizers]))
+                objective = objective + first * total
+            objective = model.optimizer.scale_loss(objective)
+        grads = tape.gradient(objective, variables)
+        accumulator.add_classes([grads], [first])
+        return accumulator.micro_step.read_value()

@@ -1,0 +1,300 @@
+"""Losses that couple the samples of a batch (``coupled_loss``), against the big batch.
+
+A dual encoder trained with a symmetric InfoNCE loss over the batch's
+similarity matrix: each sample's loss depends on every other sample of its
+batch. With ``coupled_loss`` the group's loss is computed on its whole batch
+(two forward passes per micro-batch), and training equals plain Keras at the
+big batch (float32: :data:`~tests.helpers.FLOAT32_ATOL`); without it, each
+micro-batch is a smaller batch of negatives (checked to be far off, so that
+the comparison can fail). Dropout and BatchNormalization compute per
+micro-batch (their masks and statistics are the micro-batch's): the
+reference is then the big batch whose those layers run on each micro-batch's
+rows in turn (:class:`PerMicroBatch`), which plain Keras computes in one
+forward pass under one tape.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras import ops
+
+from gradient_accumulator import AccumBatchNormalization, GradientAccumulateModel
+from tests.helpers import FLOAT16_ATOL, FLOAT32_ATOL, assert_close, max_abs_diff
+
+MICRO = 8
+FEATURES = 12
+
+
+def info_nce(y_true, y_pred):
+    """Per sample, symmetric InfoNCE over the batch: ``y_pred`` is ``[query, candidate]``."""
+    del y_true
+    query, candidate = ops.split(y_pred, 2, axis=-1)
+    logits = ops.matmul(query, ops.transpose(candidate)) / 0.1
+    labels = ops.arange(ops.shape(query)[0])
+    forward = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+    backward = keras.losses.sparse_categorical_crossentropy(
+        labels, ops.transpose(logits), from_logits=True
+    )
+    return (forward + backward) / 2
+
+
+class PerMicroBatch(keras.layers.Layer):
+    """The reference's form of a layer that computes per micro-batch: on each one's rows in turn."""
+
+    def __init__(self, inner, parts, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = inner
+        self.parts = parts
+
+    def build(self, shape):
+        self.inner.build((None, *shape[1:]))
+
+    def call(self, x, training=None):
+        parts = ops.split(x, self.parts, axis=0)
+        return ops.concatenate([self.inner(p, training=training) for p in parts], axis=0)
+
+    def compute_output_shape(self, shape):
+        return shape
+
+
+def dual_encoder(
+    cls=keras.Model,
+    *,
+    per_micro_batch=None,
+    dropout=False,
+    batchnorm=None,
+    regularizer=None,
+    classifier=False,
+    **kwargs,
+):
+    """Two towers (query, candidate) -> ``[q, c]`` (and class logits if ``classifier``)."""
+    keras.utils.set_random_seed(1)
+
+    def wrap(layer):
+        return layer if per_micro_batch is None else PerMicroBatch(layer, per_micro_batch)
+
+    def tower(inputs):
+        hidden = keras.layers.Dense(16, activation="relu", kernel_regularizer=regularizer)(inputs)
+        if batchnorm is not None:
+            hidden = wrap(batchnorm())(hidden)
+        if dropout:
+            hidden = wrap(keras.layers.Dropout(0.3, seed=3))(hidden)
+        return keras.layers.UnitNormalization()(keras.layers.Dense(8)(hidden))
+
+    query = keras.Input((FEATURES,), name="query")
+    candidate = keras.Input((FEATURES,), name="candidate")
+    q, c = tower(query), tower(candidate)
+    outputs = {"pair": keras.layers.Concatenate(name="pair")([q, c])}
+    if classifier:
+        outputs["label"] = keras.layers.Dense(3, name="label")(q)
+    else:
+        outputs = outputs["pair"]
+    return cls(inputs={"query": query, "candidate": candidate}, outputs=outputs, **kwargs)
+
+
+def pairs(samples, seed=0):
+    rng = np.random.default_rng(seed)
+    query = rng.normal(size=(samples, FEATURES)).astype("float32")
+    candidate = (query + 0.3 * rng.normal(size=query.shape)).astype("float32")
+    labels = rng.integers(0, 3, size=(samples, 1))
+    return {"query": query, "candidate": candidate}, labels
+
+
+def train(model, x, y, batch_size, epochs=2, compile_args=None, **fit_kwargs):
+    arguments = {"optimizer": keras.optimizers.SGD(0.1, momentum=0.5), "loss": info_nce}
+    model.compile(**{**arguments, **(compile_args or {})})
+    history = model.fit(
+        x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **fit_kwargs
+    )
+    return model, history.history
+
+
+def accumulating(accum_steps, coupled_loss="replica", **kwargs):
+    return dual_encoder(
+        GradientAccumulateModel, accum_steps=accum_steps, coupled_loss=coupled_loss, **kwargs
+    )
+
+
+@pytest.mark.parametrize(
+    "accum_steps, samples, jit_compile",
+    [
+        (4, 3 * 32, False),
+        (4, 3 * 32, True),
+        # The epoch's last group shorter (two micro-batches, as the big batch's last of 16).
+        (4, 2 * 32 + 16, False),
+        (4, 2 * 32 + 16, True),
+        (33, 33 * MICRO + 2 * MICRO, False),
+    ],
+)
+def test_equals_the_big_batch(accum_steps, samples, jit_compile):
+    x, y = pairs(samples)
+    big = accum_steps * MICRO
+    compile_args = {"jit_compile": jit_compile}
+    reference, ref_logs = train(dual_encoder(), x, y, big, compile_args=compile_args)
+    model, logs = train(accumulating(accum_steps), x, y, MICRO, compile_args=compile_args)
+    assert_close(model.get_weights(), reference.get_weights(), FLOAT32_ATOL)
+    # The logged loss is the big batch's.
+    np.testing.assert_allclose(logs["loss"], ref_logs["loss"], rtol=1e-5)
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations)
+    # Each micro-batch's loss on its own is another objective, far from it.
+    naive, _ = train(accumulating(accum_steps, coupled_loss=None), x, y, MICRO)
+    assert max_abs_diff(naive.get_weights(), reference.get_weights()) > 1e-2
+
+
+def test_dropout_draws_each_micro_batchs_masks_in_both_passes():
+    """Seed states put back before the second pass: the masks of the first, nothing drawn twice."""
+    x, y = pairs(3 * 32)
+    reference, _ = train(dual_encoder(per_micro_batch=4, dropout=True), x, y, 32)
+    model, _ = train(accumulating(4, dropout=True), x, y, MICRO)
+    assert_close(model.get_weights(), reference.get_weights(), FLOAT32_ATOL)
+    # The seed generators moved once per micro-batch: 4 draws a group, 3 groups, 2 epochs.
+    states = [v for v in model.non_trainable_variables if "seed_generator" in v.path]
+    assert [int(v.numpy()[1]) for v in states] == [24, 24]
+    assert_close(states, [v for v in reference.non_trainable_variables if "seed" in v.path], 0.5)
+
+
+@pytest.mark.parametrize("layer", ["keras", "accum"])
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_batchnorm_statistics_move_once_per_micro_batch(layer, jit_compile):
+    """Keras's BatchNormalization: once per micro-batch, as the reference's per-micro-batch layer.
+
+    AccumBatchNormalization: once per update, with the statistics of the
+    group's batch (its whole-batch moments against numpy's).
+    """
+    x, y = pairs(3 * 32)
+    compile_args = {"jit_compile": jit_compile}
+    if layer == "keras":
+        norm = keras.layers.BatchNormalization
+        reference, _ = train(
+            dual_encoder(per_micro_batch=4, batchnorm=norm), x, y, 32, compile_args=compile_args
+        )
+        model, _ = train(accumulating(4, batchnorm=norm), x, y, MICRO, compile_args=compile_args)
+        assert_close(model.get_weights(), reference.get_weights(), FLOAT32_ATOL)
+        return
+
+    def accum_norm():
+        return AccumBatchNormalization(accum_steps=4, momentum=0.0)
+
+    # Its forward pass is Keras's on the micro-batch: the weights equal the
+    # per-micro-batch reference's.
+    reference, _ = train(
+        dual_encoder(per_micro_batch=4, batchnorm=keras.layers.BatchNormalization),
+        x,
+        y,
+        32,
+        epochs=1,
+        compile_args=compile_args,
+    )
+    model, _ = train(
+        accumulating(4, batchnorm=accum_norm), x, y, MICRO, epochs=1, compile_args=compile_args
+    )
+    assert_close(model.trainable_weights, reference.trainable_weights, FLOAT32_ATOL)
+    # momentum=0: the moving statistics are the last group's batch moments,
+    # of the layers' inputs under the weights before the last update: those
+    # of a model trained on the first two groups.
+    before, _ = train(
+        accumulating(4, batchnorm=accum_norm),
+        {k: v[:64] for k, v in x.items()},
+        y[:64],
+        MICRO,
+        epochs=1,
+        compile_args=compile_args,
+    )
+    last_group = {k: v[64:] for k, v in x.items()}
+    norms = [lyr for lyr in model.layers if isinstance(lyr, AccumBatchNormalization)]
+    norms_before = [lyr for lyr in before.layers if isinstance(lyr, AccumBatchNormalization)]
+    for norm, norm_before in zip(norms, norms_before):
+        inputs = keras.Model(before.inputs, norm_before.input).predict(last_group, verbose=0)
+        assert_close([norm.moving_mean], [inputs.mean(axis=0)], FLOAT32_ATOL)
+        assert_close([norm.moving_variance], [inputs.var(axis=0)], 1e-5)
+        assert float(norm.pending_count.numpy().max()) == 0.0
+
+
+def test_sample_weights_per_sample_losses_and_metrics_on_the_group():
+    """A coupled output beside a per-sample loss, sample weights, metrics: all the big batch's."""
+    x, y = pairs(3 * 32)
+    targets = {"pair": np.zeros((len(y), 1), "float32"), "label": y}
+    weights = np.random.default_rng(3).uniform(0.5, 2.0, size=len(y)).astype("float32")
+    compile_args = {
+        "loss": {"pair": info_nce, "label": "sparse_categorical_crossentropy"},
+        "metrics": {"label": ["accuracy"]},
+    }
+
+    def run(model, batch_size):
+        return train(
+            model,
+            x,
+            targets,
+            batch_size,
+            epochs=1,
+            # The gradients agree to 4.8e-7 (SGD at lr 1, one update); this
+            # model's training amplifies that rounding (2.5e-6 after three
+            # updates at lr 0.1 with momentum): a smaller step.
+            compile_args={**compile_args, "optimizer": keras.optimizers.SGD(0.02)},
+            sample_weight=weights,
+        )
+
+    reference, ref_logs = run(dual_encoder(classifier=True, regularizer="l2"), 32)
+    model, logs = run(accumulating(4, classifier=True, regularizer="l2"), MICRO)
+    assert_close(model.get_weights(), reference.get_weights(), FLOAT32_ATOL)
+    for key in ("loss", "label_accuracy"):
+        np.testing.assert_allclose(logs[key], ref_logs[key], rtol=1e-5, err_msg=key)
+
+
+def test_mixed_float16(mixed_float16):
+    x, y = pairs(3 * 32)
+    reference, _ = train(dual_encoder(), x, y, 32)
+    model, _ = train(accumulating(4), x, y, MICRO)
+    assert_close(model.get_weights(), reference.get_weights(), FLOAT16_ATOL)
+
+
+def test_accum_steps_one_is_plain_training():
+    x, y = pairs(64)
+    reference, _ = train(dual_encoder(), x, y, MICRO)
+    model, _ = train(accumulating(1), x, y, MICRO)
+    assert_close(model.get_weights(), reference.get_weights(), FLOAT32_ATOL)
+
+
+def test_the_argument_is_checked_and_saved():
+    with pytest.raises(
+        ValueError, match="`coupled_loss` must be None.*Received: coupled_loss='yes'"
+    ):
+        accumulating(4, coupled_loss="yes")
+    model = accumulating(4, coupled_loss="global")
+    config = model.get_config()
+    assert config["coupled_loss"] == "global"
+    assert GradientAccumulateModel.from_config(config).coupled_loss == "global"
+
+
+@pytest.mark.parametrize("how", ["train_on_batch", "unknown_length", "group_step"])
+def test_what_cannot_see_a_whole_group_is_refused(how):
+    x, y = pairs(64)
+    model = accumulating(4)
+    model.compile(optimizer="sgd", loss=info_nce)
+    if how == "train_on_batch":
+        with pytest.raises(ValueError, match="coupled_loss='replica'.*`train_on_batch`"):
+            model.train_on_batch({k: v[:MICRO] for k, v in x.items()}, y[:MICRO])
+    elif how == "unknown_length":
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(MICRO)
+        dataset = dataset.filter(lambda *_: True)  # its length unknown
+        with pytest.raises(ValueError, match="data of unknown length"):
+            model.fit(dataset, epochs=1, verbose=0)
+    else:
+        batch = ({k: v[:MICRO] for k, v in x.items()}, y[:MICRO])
+        with pytest.raises(ValueError, match="`group_step` runs one micro-step per batch"):
+            model.group_step([batch] * 4)
+
+
+def test_data_dependent_layer_losses_are_refused():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((FEATURES,))
+    hidden = keras.layers.Dense(16, activity_regularizer="l2")(inputs)
+    outputs = keras.layers.Concatenate()([hidden[:, :8], hidden[:, 8:]])
+    model = GradientAccumulateModel(
+        accum_steps=2, coupled_loss="replica", inputs=inputs, outputs=outputs
+    )
+    model.compile(optimizer="sgd", loss=info_nce)
+    x = np.ones((32, FEATURES), "float32")
+    with pytest.raises(ValueError, match="adds 1 loss term.*activity regularizer"):
+        model.fit(x, np.zeros((32, 1)), batch_size=MICRO, epochs=1, verbose=0)
