@@ -357,6 +357,18 @@ def compute_training_loss(model, x, y, y_pred, sample_weight):
     return model.compute_loss(**kwargs) / replicas_dividing_the_training_loss()
 
 
+def per_replica(values):
+    """A ``tf.distribute`` per-replica value of ``values`` (one tensor per local replica).
+
+    What ``strategy.run`` hands each replica its own entry of; TensorFlow
+    exports no constructor for it (its distributed dataset iterators make
+    them).
+    """
+    from tensorflow.python.distribute.values import PerReplica
+
+    return PerReplica(tuple(values))
+
+
 def reduce_replica_logs(logs, strategy):
     """The logs of ``strategy.run`` of a train step, reduced as Keras's own train function does.
 

@@ -55,6 +55,32 @@ def check_coupled_loss(value):
     )
 
 
+def _gather(tensors, rows, replicas):
+    """Every replica's ``tensors`` (``rows`` each), concatenated in replica order.
+
+    Returns this replica's first row in them and the gathered tensors. By
+    two summing all-reductions (the rows of each replica, then each replica's
+    tensors placed at its rows of zeros): TensorFlow's ``all_gather`` fails
+    under MultiWorkerMirroredStrategy ("destinations can not be empty", TF
+    2.21). Integer and boolean tensors cross as float64 (exact below 2**53).
+    """
+    context = tf.distribute.get_replica_context()
+    replica = context.replica_id_in_sync_group
+    mine = tf.one_hot(replica, replicas, dtype="float32") * ops.cast(rows, "float32")
+    counts = ops.cast(context.all_reduce(tf.distribute.ReduceOp.SUM, mine), "int32")
+    offset = ops.sum(counts[:replica])
+    total = ops.sum(counts)
+    padded = []
+    for t in tensors:
+        wire = t if t.dtype.is_floating else ops.cast(t, "float64")
+        padding = [[offset, total - offset - rows]] + [[0, 0]] * (t.shape.rank - 1)
+        padded.append(tf.pad(wire, padding))
+    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, padded)
+    return offset, [
+        s if t.dtype.is_floating else ops.cast(s, t.dtype) for t, s in zip(tensors, summed)
+    ]
+
+
 def _batch_size(x):
     return ops.shape(tf.nest.flatten(x)[0])[0]
 
@@ -107,6 +133,13 @@ class CoupledGroup:
     def loss(self, data, outputs):
         """The group's loss, on its whole batch: ``(dL/d outputs, logs)``.
 
+        With ``coupled_loss="global"`` under several replicas, the batch is
+        the global one: the replicas' group outputs, targets and sample
+        weights gathered, the loss computed on them in every replica, and
+        each replica's gradient kept for its own rows. The logged loss is
+        the loss of that batch; the metrics are computed on the replica's
+        own rows (summed over the replicas, as Keras's are).
+
         Args:
             data: The group's batch ``(x, y, sample_weight)``, its
                 micro-batches' rows concatenated.
@@ -121,14 +154,36 @@ class CoupledGroup:
         model = self._model
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         outputs = [ops.cast(t, "float32") for t in outputs]
-        with tf.GradientTape() as tape:
-            tape.watch(outputs)
-            y_pred = tf.nest.pack_sequence_as(self._output_structure, outputs)
-            loss = compute_training_loss(model, x, y, y_pred, sample_weight)
-        grads = tape.gradient(loss, outputs)
-        grads = [ops.zeros_like(t) if g is None else g for t, g in zip(outputs, grads)]
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        loss_tracker(model).update_state(loss * replicas, sample_weight=_batch_size(x))
+        gathered = model.coupled_loss == "global" and replicas > 1
+        loss_x, loss_y, loss_weight, loss_outputs = x, y, sample_weight, outputs
+        if gathered:
+            # The global batch's, every replica's rows in replica order: one
+            # all-gather of the group's outputs, targets and sample weights
+            # (and inputs, for an overridden `compute_loss`).
+            rows = tf.shape(outputs[0])[0]
+            overridden = type(model).compute_loss is not keras.Model.compute_loss
+            local = (x if overridden else None, y, sample_weight, outputs)
+            flat = tf.nest.flatten(local)
+            offset, gathered_flat = _gather([t for t in flat if t is not None], rows, replicas)
+            gathered_flat = iter(gathered_flat)
+            loss_x, loss_y, loss_weight, loss_outputs = tf.nest.pack_sequence_as(
+                local, [None if t is None else next(gathered_flat) for t in flat]
+            )
+        with tf.GradientTape() as tape:
+            tape.watch(loss_outputs)
+            y_pred = tf.nest.pack_sequence_as(self._output_structure, loss_outputs)
+            # The replica's share of the loss (divided by the replicas, whose
+            # gradients are summed); each replica's is the whole global loss
+            # where gathered, of which it back-propagates its own rows.
+            share = compute_training_loss(model, loss_x, loss_y, y_pred, loss_weight)
+            objective = share * replicas if gathered else share
+        grads = tape.gradient(objective, loss_outputs)
+        grads = [ops.zeros_like(t) if g is None else g for t, g in zip(loss_outputs, grads)]
+        if gathered:
+            grads = [g[offset : offset + rows] for g in grads]
+        loss_tracker(model).update_state(share * replicas, sample_weight=_batch_size(x))
+        y_pred = tf.nest.pack_sequence_as(self._output_structure, outputs)
         build_compiled_metrics_outside_trace(model, y, y_pred)
         logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return grads, logs_for_keras(logs, model.distribute_strategy)
@@ -166,8 +221,10 @@ class CoupledGroup:
             )
             regularizers = model.losses
             if regularizers:
+                # Once per group, the replica's share (as Keras divides the loss).
+                replicas = tf.distribute.get_strategy().num_replicas_in_sync
                 total = ops.sum(ops.stack([ops.cast(r, "float32") for r in regularizers]))
-                objective = objective + first * total
+                objective = objective + first * total / replicas
             objective = model.optimizer.scale_loss(objective)
         grads = tape.gradient(objective, variables)
         accumulator.add_classes([grads], [first])

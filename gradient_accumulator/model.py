@@ -537,7 +537,6 @@ class GradientAccumulateModel(keras.Model):
         self._check_strategy()
         self._check_jit_compile()
         self._check_statistics_layers()
-        self._check_coupled_loss()
         if not force and self.train_function is not None:
             self._check_trainable_variables_unchanged()
         self._ensure_accumulator()
@@ -640,18 +639,6 @@ class GradientAccumulateModel(keras.Model):
             "fails alike). "
             "Compile with `jit_compile=False`, or leave it at 'auto', which Keras "
             "resolves to False under tf.distribute."
-        )
-
-    def _check_coupled_loss(self):
-        """Refuses what the two-pass group does not run yet: several replicas."""
-        replicas = self.distribute_strategy.num_replicas_in_sync
-        if self.coupled_loss is None or self.accum_steps == 1 or replicas == 1:
-            return
-        raise ValueError(
-            f"`coupled_loss={self.coupled_loss!r}` runs on one replica in this release: "
-            f"model '{self.name}' is under {type(self.distribute_strategy).__name__} with "
-            f"{replicas} replicas. Train it on one device, or with coupled_loss=None (each "
-            f"micro-batch's loss on its own). Received: {replicas} replicas"
         )
 
     def _apply_statistics(self, is_update_step):

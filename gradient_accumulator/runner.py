@@ -44,7 +44,12 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from gradient_accumulator._compat import raw_value, reduce_replica_logs, seed_generator_states
+from gradient_accumulator._compat import (
+    per_replica,
+    raw_value,
+    reduce_replica_logs,
+    seed_generator_states,
+)
 
 WHOLE_GROUPS = "whole groups"
 MICRO_STEPS = "micro-steps"
@@ -53,7 +58,39 @@ MICRO_STEPS = "micro-steps"
 def _tensor_leaves(data):
     """The tensors of a batch's structure, and what :func:`_packed` puts them back into."""
     flat = tf.nest.flatten(data)
-    return [t for t in flat if t is not None], (data, [t is None for t in flat])
+    template = tf.nest.pack_sequence_as(data, [None if t is None else 0 for t in flat])
+    return [t for t in flat if t is not None], (template, [t is None for t in flat])
+
+
+def _replicas_leaves(strategy, data):
+    """Per local replica, the tensors of its shard of ``data`` (:func:`_tensor_leaves`)."""
+    leaves, _ = _tensor_leaves(data)
+    local = [strategy.experimental_local_results(t) for t in leaves]
+    return [[each[r] for each in local] for r in range(len(local[0]))]
+
+
+def _replicas_results(strategy, result):
+    """Per local replica, its part of ``strategy.run``'s ``result`` (a structure)."""
+    flat = tf.nest.flatten(result)
+    local = [strategy.experimental_local_results(t) for t in flat]
+    return [
+        tf.nest.pack_sequence_as(result, [each[r] for each in local]) for r in range(len(local[0]))
+    ]
+
+
+def _replica_devices(strategy):
+    """The local replicas' devices (``None``: the default strategy's one, unplaced)."""
+    try:
+        return list(strategy.extended.worker_devices)
+    except RuntimeError:  # the default strategy has none
+        return [None]
+
+
+def _distributed(values):
+    """``values`` (one structure per local replica) as ``strategy.run``'s argument."""
+    if len(values) == 1:
+        return values[0]
+    return tf.nest.map_structure(lambda *each: per_replica(each), *values)
 
 
 def _packed(structure, leaves):
@@ -62,11 +99,12 @@ def _packed(structure, leaves):
     return tf.nest.pack_sequence_as(template, [None if m else next(values) for m in missing])
 
 
-def _cache(like, length):
+def _cache(like, length, device=None):
     """A ``TensorArray`` of ``length`` micro-batches' rows of tensors like ``like``."""
     shape = like.shape[1:] if like.shape.rank else like.shape
     element = tf.TensorShape([None]).concatenate(shape) if like.shape.rank else shape
-    return tf.TensorArray(like.dtype, size=length, infer_shape=False, element_shape=element)
+    with tf.device(device):
+        return tf.TensorArray(like.dtype, size=length, infer_shape=False, element_shape=element)
 
 
 class Place:
@@ -307,49 +345,69 @@ class GroupRunner:
         """
         if "coupled" not in self._functions:
             model = self._model
+            strategy = model.distribute_strategy
             forward, loss, backward, update = self._coupled_steps()
 
             def group(iterator, length):
                 seeds = seed_generator_states(model)
+                devices = _replica_devices(strategy)
                 data = next(iterator)
-                leaves, structure = _tensor_leaves(data)
+                _, structure = _tensor_leaves(data)
+                leaves = _replicas_leaves(strategy, data)
                 saved = [raw_value(seed) for seed in seeds]
-                outputs = forward(data, tf.constant(True))
-                rows = tf.shape(tf.nest.flatten(data)[0])[0]
-                cached = [*leaves, *outputs, *saved, rows]
-                caches = [_cache(t, length).write(0, t) for t in cached]
+                outputs = forward(leaves, structure, tf.constant(True))
+                # Per replica: its micro-batch's tensors, outputs, rows; the seed states.
+                cached = [
+                    [*replica_leaves, *replica_outputs, tf.shape(replica_leaves[0])[0]]
+                    for replica_leaves, replica_outputs in zip(leaves, outputs)
+                ]
+                caches = [
+                    [_cache(t, length, device).write(0, t) for t in values]
+                    for values, device in zip(cached, devices)
+                ]
+                seed_caches = [_cache(t, length).write(0, t) for t in saved]
 
-                def first_pass(index, caches):
-                    with tf.control_dependencies([c.flow for c in caches]):
+                def first_pass(index, caches, seed_caches):
+                    flows = [c.flow for c in tf.nest.flatten(caches) + seed_caches]
+                    with tf.control_dependencies(flows):
                         data = next(iterator)
+                    leaves = _replicas_leaves(strategy, data)
                     saved = [raw_value(seed) for seed in seeds]
-                    outputs = forward(data, tf.constant(False))
-                    rows = tf.shape(tf.nest.flatten(data)[0])[0]
-                    values = [*_tensor_leaves(data)[0], *outputs, *saved, rows]
-                    return index + 1, [c.write(index, v) for c, v in zip(caches, values)]
+                    outputs = forward(leaves, structure, tf.constant(False))
+                    caches = [
+                        [
+                            c.write(index, v)
+                            for c, v in zip(replica_caches, [*each, *out, tf.shape(each[0])[0]])
+                        ]
+                        for replica_caches, each, out in zip(caches, leaves, outputs)
+                    ]
+                    seed_caches = [c.write(index, v) for c, v in zip(seed_caches, saved)]
+                    return index + 1, caches, seed_caches
 
-                _, caches = tf.while_loop(
-                    lambda index, _: index < length,
+                _, caches, seed_caches = tf.while_loop(
+                    lambda index, *_: index < length,
                     first_pass,
-                    (tf.constant(1, "int32"), caches),
+                    (tf.constant(1, "int32"), caches, seed_caches),
                     parallel_iterations=1,
                 )
-                n_leaves, n_outputs = len(leaves), len(outputs)
-                data_caches = caches[:n_leaves]
-                output_caches = caches[n_leaves : n_leaves + n_outputs]
-                seed_caches = caches[n_leaves + n_outputs : -1]
-                rows = caches[-1].stack()
-                group_data = _packed(structure, [c.concat() for c in data_caches])
-                output_grads, logs = loss(group_data, [c.concat() for c in output_caches])
-                grad_caches = [_cache(g, length).split(g, rows) for g in output_grads]
+                n_leaves = len(leaves[0])
+                group_leaves = [[c.concat() for c in each[:n_leaves]] for each in caches]
+                group_outputs = [[c.concat() for c in each[n_leaves:-1]] for each in caches]
+                output_grads, logs = loss(group_leaves, group_outputs, structure)
+                rows = [each[-1].stack() for each in caches]
+                grad_caches = [
+                    [_cache(g, length, device).split(g, replica_rows) for g in grads]
+                    for grads, replica_rows, device in zip(output_grads, rows, devices)
+                ]
 
                 def second_pass(index, done):
                     with tf.control_dependencies([done]):
                         for seed, cache in zip(seeds, seed_caches):
                             seed.assign(cache.read(index))
-                        data = _packed(structure, [c.read(index) for c in data_caches])
-                    grads = [c.read(index) for c in grad_caches]
-                    return index + 1, backward(data, grads, ops.equal(index, 0))
+                        leaves = [[c.read(index) for c in each[:n_leaves]] for each in caches]
+                    grads = [[c.read(index) for c in each] for each in grad_caches]
+                    marker = backward(leaves, grads, structure, ops.equal(index, 0))
+                    return index + 1, marker
 
                 tf.while_loop(
                     lambda index, _: index < length,
@@ -366,22 +424,69 @@ class GroupRunner:
         return self._functions["coupled"]
 
     def _coupled_steps(self):
-        """The two-pass group's ``(forward, loss, backward, update)``, in graph or XLA mode."""
-        model = self._model
-        coupled = model._coupled_group
-        forward, loss, backward = coupled.forward, coupled.loss, coupled.backward
+        """The two-pass group's ``(forward, loss, backward, update)``, in graph or XLA mode.
 
-        def update():
+        Called in cross-replica context with per-replica lists (one entry
+        per local replica) of the batch's tensors (``structure`` packs them:
+        :func:`_tensor_leaves`), outputs and output gradients; ``forward``
+        returns the replicas' outputs, ``loss`` their output gradients and
+        the reduced logs, ``backward`` a marker computed after the adds.
+        """
+        model = self._model
+        strategy = model.distribute_strategy
+        coupled = model._coupled_group
+        batch = {}  # the batch's structure, set by the group's trace (`pack`)
+
+        def pack(leaves):
+            return _packed(batch["structure"], leaves)
+
+        def forward_in_replica(leaves, is_first):
+            return coupled.forward(pack(leaves), is_first)
+
+        def loss_in_replica(leaves, outputs):
+            return coupled.loss(pack(leaves), outputs)
+
+        def backward_in_replica(leaves, grads, is_first):
+            return coupled.backward(pack(leaves), grads, is_first)
+
+        if model.jit_compile and not model.run_eagerly:
+            # One replica (XLA is refused with several): each a program of its own.
+            def compiled(fn):
+                return tf.function(fn, reduce_retracing=True, jit_compile=True, autograph=False)
+
+            forward_in_replica = compiled(forward_in_replica)
+            loss_in_replica = compiled(loss_in_replica)
+            backward_in_replica = compiled(backward_in_replica)
+
+        def forward(leaves, structure, is_first):
+            batch["structure"] = structure
+            result = strategy.run(forward_in_replica, args=(_distributed(leaves), is_first))
+            return _replicas_results(strategy, result)
+
+        def loss(leaves, outputs, structure):
+            batch["structure"] = structure
+            grads, logs = strategy.run(
+                loss_in_replica, args=(_distributed(leaves), _distributed(outputs))
+            )
+            return _replicas_results(strategy, grads), reduce_replica_logs(logs, strategy)
+
+        def backward(leaves, grads, structure, is_first):
+            batch["structure"] = structure
+            marker = strategy.run(
+                backward_in_replica, args=(_distributed(leaves), _distributed(grads), is_first)
+            )
+            return ops.sum(ops.stack(strategy.experimental_local_results(marker)))
+
+        def update_in_replica():
             model._apply_statistics(True)
             model._update(True)
 
-        if not (model.jit_compile and not model.run_eagerly):
-            return forward, loss, backward, update
+        def update():
+            strategy.run(update_in_replica)
 
-        def compiled(fn):
-            return tf.function(fn, reduce_retracing=True, jit_compile=True, autograph=False)
-
-        return compiled(forward), compiled(loss), compiled(backward), compiled(update)
+        if model.jit_compile and not model.run_eagerly:
+            update = tf.function(update, jit_compile=True, autograph=False)
+        return forward, loss, backward, update
 
     def _group_steps(self):
         """The group's ``(adding, last, update)`` callables, in graph or in XLA mode.

@@ -20,7 +20,16 @@ import tensorflow as tf
 from keras import ops
 
 from gradient_accumulator import AccumBatchNormalization, GradientAccumulateModel
-from tests.helpers import FLOAT16_ATOL, FLOAT32_ATOL, assert_close, max_abs_diff
+from tests.helpers import (
+    FLOAT16_ATOL,
+    FLOAT32_ATOL,
+    assert_close,
+    assert_diff_below,
+    max_abs_diff,
+    run_script_module,
+    run_workers,
+    script_results,
+)
 
 MICRO = 8
 FEATURES = 12
@@ -298,3 +307,28 @@ def test_data_dependent_layer_losses_are_refused():
     x = np.ones((32, FEATURES), "float32")
     with pytest.raises(ValueError, match="adds 1 loss term.*activity regularizer"):
         model.fit(x, np.zeros((32, 1)), batch_size=MICRO, epochs=1, verbose=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["mirrored", "multi_worker"])
+def test_two_replicas_equal_one_device(kind):
+    """'global': the negatives of both replicas' rows; 'replica': each replica's own.
+
+    MirroredStrategy over two logical CPUs, or two workers on loopback
+    (``tests/scripts/mirrored_coupled.py``); each against plain Keras on one
+    device at the global batch, with the loss of that case.
+    """
+    if kind == "mirrored":
+        outputs = [run_script_module("mirrored_coupled")]
+    else:
+        outputs = [out for _, out, _ in run_workers("mirrored_coupled", args=("multi_worker",))]
+    for output in outputs:
+        result = script_results(output)
+        assert result["replicas"] == 2
+        for case, figures in result["results"].items():
+            assert_diff_below(figures["diff"], FLOAT32_ATOL, (case, figures))
+            assert figures["moved"] > 0.1
+            # The two objectives differ: each case is far from the other's reference.
+            assert figures["other"] > 1e-2, (case, figures)
+            assert figures["updates"] == 4
+            np.testing.assert_allclose(figures["loss"], figures["reference_loss"], rtol=1e-5)

@@ -1,0 +1,100 @@
+"""``coupled_loss`` under two replicas against one device.
+
+Run: ``python -m tests.scripts.mirrored_coupled`` (MirroredStrategy over 2
+logical CPUs), or ``python -m tests.scripts.mirrored_coupled multi_worker`` on
+each worker of a two-worker cluster described by ``TF_CONFIG``
+(``tests.helpers.run_workers``; MultiWorkerMirroredStrategy, one CPU replica
+each).
+
+The dual encoder and InfoNCE loss of ``tests/test_coupled.py``, at the global
+micro-batch 8 (4 per replica), accum_steps 4: a global big batch of 32,
+three groups and a shorter one of two micro-batches. Cases:
+
+- ``global``: the negatives are the global batch's; the reference is plain
+  Keras on one device at batch 32.
+- ``replica``: each replica's negatives are its own rows of the group (rows
+  ``8j .. 8j+3`` of each global micro-batch ``j`` for the first, ``8j+4 ..
+  8j+7`` for the second); the reference is plain Keras on one device at batch
+  32 whose loss is each replica's InfoNCE on its rows, averaged
+  (:func:`per_replica_info_nce`).
+
+Prints one results line: per case ``diff`` (max |weight difference|),
+``moved`` (the reference's distance from the initial weights), ``updates``,
+``loss`` and ``reference_loss`` (the logged epoch loss), and ``other``: the
+distance to the other case's reference (the two objectives differ).
+"""
+
+import contextlib
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import ops
+
+from gradient_accumulator import GradientAccumulateModel
+from tests.helpers import max_abs_diff
+from tests.scripts import print_results, split_cpu, updates
+from tests.test_coupled import dual_encoder, info_nce, pairs
+
+REPLICAS = 2
+GLOBAL_MICRO_BATCH = 8
+ACCUM_STEPS = 4
+SAMPLES = 3 * 32 + 16
+
+
+def per_replica_info_nce(y_true, y_pred):
+    """InfoNCE within each replica's rows of a group's batch (in data order), per sample."""
+    rows = ops.shape(y_pred)[0]
+    index = ops.arange(rows)
+    replica = (index % GLOBAL_MICRO_BATCH) // (GLOBAL_MICRO_BATCH // REPLICAS)
+    losses = ops.zeros((rows,), "float32")
+    for r in range(REPLICAS):
+        mine = ops.nonzero(ops.equal(replica, r))[0]
+        own = info_nce(None, ops.take(y_pred, mine, axis=0))
+        losses = losses + ops.scatter(ops.expand_dims(mine, 1), own, (rows,))
+    return losses
+
+
+def train(model, x, y, batch_size, loss, strategy=None):
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss=loss)
+    history = model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    return history.history["loss"][-1]
+
+
+def main(kind="mirrored"):
+    if kind == "multi_worker":
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    else:
+        strategy = tf.distribute.MirroredStrategy(split_cpu(REPLICAS))
+    x, y = pairs(SAMPLES)
+    y = np.zeros((SAMPLES, 1), "float32")
+    initial = dual_encoder().get_weights()
+    references = {}
+    for case, loss in (("global", info_nce), ("replica", per_replica_info_nce)):
+        reference = dual_encoder()
+        reference_loss = train(reference, x, y, GLOBAL_MICRO_BATCH * ACCUM_STEPS, loss)
+        references[case] = (reference, reference_loss)
+    results = {}
+    for case in ("global", "replica"):
+        with strategy.scope():
+            model = dual_encoder(
+                GradientAccumulateModel, accum_steps=ACCUM_STEPS, coupled_loss=case
+            )
+        loss = train(model, x, y, GLOBAL_MICRO_BATCH, info_nce, strategy)
+        reference, reference_loss = references[case]
+        other = references["replica" if case == "global" else "global"][0]
+        results[case] = {
+            "diff": max_abs_diff(reference.get_weights(), model.get_weights()),
+            "other": max_abs_diff(other.get_weights(), model.get_weights()),
+            "moved": max_abs_diff(reference.get_weights(), initial),
+            "updates": updates(model.optimizer),
+            "loss": loss,
+            "reference_loss": reference_loss,
+        }
+    print_results({"replicas": strategy.num_replicas_in_sync, "results": results})
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
