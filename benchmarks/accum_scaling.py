@@ -21,9 +21,11 @@ an epoch, a known length: whole groups), so that no input copy grows with
 ``accum_steps``. Goal: time per micro-batch flat or falling in
 ``accum_steps``, first call, program size and memory independent of it.
 
-Run: ``python -m benchmarks.accum_scaling`` (~15 min on 2 cores;
-``--models dense --modes graph`` for a part; ``--quick`` for CI: the dense
-model in graph mode at accum_steps 1 and 4, figures meaningless).
+Run: ``python -m benchmarks.accum_scaling`` (on 2 cores: ~20 min for the
+dense model and MobileNetV2 in graph mode, ~11 min per point of MobileNetV2
+under XLA, whose CPU programs are slow; ``--models dense --modes graph``,
+``--accum-steps 4,16`` and ``--rounds 2`` for a part; ``--quick`` for CI: the
+dense model in graph mode at accum_steps 1 and 4, figures meaningless).
 """
 
 import json
@@ -149,15 +151,39 @@ def main():
         return
     p = parser(__doc__.splitlines()[0])
     add_parts(p, MODELS)
+    p.add_argument(
+        "--accum-steps",
+        default=",".join(map(str, ACCUM_STEPS)),
+        help="comma-separated accum_steps to measure",
+    )
+    p.add_argument("--rounds", type=int, default=ROUNDS, help="rounds per point (median)")
+    p.add_argument(
+        "--from-logs",
+        help=(
+            "comma-separated outputs of earlier runs: print the table and draw the "
+            "plot of the points they printed (one JSON line each), measuring nothing"
+        ),
+    )
     args = p.parse_args()
     models, modes = chosen_parts(p, args, MODELS)
     if args.quick:
         models, modes = QUICK["models"], QUICK["modes"]
-    steps = QUICK["accum_steps"] if args.quick else ACCUM_STEPS
-    rounds = QUICK["rounds"] if args.quick else ROUNDS
+    steps = QUICK["accum_steps"] if args.quick else [int(k) for k in args.accum_steps.split(",")]
+    rounds = QUICK["rounds"] if args.quick else args.rounds
     epoch = QUICK["epoch"] if args.quick else EPOCH
     records = []
-    for model in models:
+    if args.from_logs:
+        for path in args.from_logs.split(","):
+            with open(path) as log:
+                records += [json.loads(line) for line in log if line.startswith('{"model"')]
+        models = list(dict.fromkeys(r["model"] for r in records))
+        modes = list(dict.fromkeys(r["mode"] for r in records))
+        steps = sorted({r["accum_steps"] for r in records})
+        rounds = "/".join(str(n) for n in sorted({r["rounds"] for r in records}))
+        records.sort(
+            key=lambda r: (models.index(r["model"]), modes.index(r["mode"]), r["accum_steps"])
+        )
+    for model in models if not args.from_logs else []:
         for mode in modes:
             for accum_steps in steps:
                 config = {
@@ -211,8 +237,10 @@ def main():
                 )
                 ax.plot(
                     [r["accum_steps"] for r in points],
-                    [r["first_call_seconds"] / max(points[0]["first_call_seconds"], 1e-9)
-                     for r in points],
+                    [
+                        r["first_call_seconds"] / max(points[0]["first_call_seconds"], 1e-9)
+                        for r in points
+                    ],
                     marker="x",
                     linestyle="--",
                     label=f"{model} {mode}: first call / first call at k=1",

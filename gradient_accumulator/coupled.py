@@ -27,6 +27,8 @@ inputs and outputs and the loss's own (``N x N`` similarities for ``N``
 samples). The time: one more forward pass per micro-batch.
 """
 
+import warnings
+
 import keras
 import tensorflow as tf
 from keras import ops
@@ -79,6 +81,117 @@ def _gather(tensors, rows, replicas):
     return offset, [
         s if t.dtype.is_floating else ops.cast(s, t.dtype) for t, s in zip(tensors, summed)
     ]
+
+
+# A loss whose gradient for the first half of a batch, computed on the whole
+# batch, is not proportional to that half's gradient computed on its own
+# (relative residual above this) compares the samples with each other.
+COUPLING_TOLERANCE = 1e-4
+
+
+def loss_couples_samples(model, data):
+    """Whether ``model``'s loss compares the samples of a batch: the relative residual, or ``None``.
+
+    One eager check on a batch ``data`` (``(x, y, sample_weight)``, at least
+    4 rows): the gradient of the compiled loss with respect to the outputs,
+    on the whole batch, restricted to its first half, against the gradient
+    on the first half alone. A loss of each sample's own outputs gives
+    proportional gradients (its normaliser, samples, tokens or sample
+    weights, only scales them); a loss that compares the samples gives
+    others. Inference mode (no state written, no dropout). Returns the
+    largest relative residual over the outputs after the best scaling, or
+    ``None`` where it cannot tell (a batch under 4 rows, a loss that fails
+    on it eagerly).
+    """
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    rows = int(tf.nest.flatten(x)[0].shape[0] or 0)
+    if rows < 4:
+        return None
+    half = rows // 2
+    outputs = tf.nest.map_structure(lambda t: ops.cast(t, "float32"), model(x, training=False))
+
+    def first_rows(structure, count):
+        return tf.nest.map_structure(lambda t: None if t is None else t[:count], structure)
+
+    def gradient(count):
+        flat = [t[:count] for t in tf.nest.flatten(outputs)]
+        with tf.GradientTape() as tape:
+            tape.watch(flat)
+            y_pred = tf.nest.pack_sequence_as(outputs, flat)
+            loss = compute_training_loss(
+                model,
+                first_rows(x, count),
+                first_rows(y, count),
+                y_pred,
+                first_rows(sample_weight, count),
+            )
+        return tape.gradient(loss, flat)
+
+    try:
+        whole, alone = gradient(rows), gradient(half)
+    except (tf.errors.OpError, ValueError, TypeError):
+        # Not computable eagerly on this batch: the training step says why, if it fails.
+        return None
+    residual = 0.0
+    for w, a in zip(whole, alone):
+        if w is None or a is None:
+            continue
+        w, a = tf.reshape(w[:half], [-1]), tf.reshape(a, [-1])
+        scale = tf.math.divide_no_nan(tf.reduce_sum(w * a), tf.reduce_sum(a * a))
+        size = tf.reduce_max(tf.abs(w))
+        if float(size) == 0.0:
+            continue
+        residual = max(residual, float(tf.reduce_max(tf.abs(w - scale * a)) / size))
+    return residual
+
+
+def warn_if_loss_couples_samples(model, data):
+    """Warns where ``model`` (``coupled_loss=None``) has a loss that compares its samples."""
+    residual = loss_couples_samples(model, data)
+    if residual is None or residual <= COUPLING_TOLERANCE:
+        return
+    warnings.warn(
+        f"Model '{model.name}' has `coupled_loss=None`, and its loss compares the samples "
+        "of a batch with each other (a contrastive loss, in-batch negatives, a "
+        "batch-hard triplet loss): the gradient it gives the first half of a batch "
+        "changes when the other half is left out (relative difference "
+        f"{residual:.3g}). Accumulated so, each micro-batch's loss compares only its own "
+        f"samples: training is not the big batch of accum_steps={model.accum_steps} "
+        "micro-batches, but another objective. Pass `coupled_loss='replica'` (or "
+        "'global' under several replicas) to compute each group's loss on its whole "
+        "batch; see 'Contrastive and retrieval losses' in the documentation.",
+        stacklevel=3,
+    )
+
+
+# How far a micro-batch's second forward pass may compute from its first,
+# relative to the outputs' magnitude: nondeterministic GPU kernels move the
+# last bits; a random op drawn anew, a dropout mask say, moves the outputs
+# by their own size.
+REPLAY_TOLERANCE = 1e-3
+
+
+def check_replayed(drift, model_name):
+    """Fails the step where a second forward pass did not compute its first's outputs.
+
+    ``drift`` is :meth:`CoupledGroup.backward`'s figure (the largest over a
+    group). Outside XLA (an assertion is no XLA operation).
+    """
+    return tf.debugging.assert_less_equal(
+        drift,
+        tf.constant(REPLAY_TOLERANCE, drift.dtype),
+        message=(
+            f"Model '{model_name}' with `coupled_loss`: the second forward pass of a "
+            "micro-batch computed other outputs than its first, so the cached loss "
+            "gradient does not belong to them and the weights would silently move "
+            "elsewhere than the big batch's. Its forward pass draws random numbers "
+            "that are not replayed (a TensorFlow random op such as tf.random.uniform, "
+            "or a Keras random op without a layer's SeedGenerator) or reads state that "
+            "the first pass changed. Draw random numbers through a SeedGenerator that "
+            "a layer owns (as Keras's Dropout and random layers do). Largest relative "
+            "difference (tolerance 1e-3):"
+        ),
+    )
 
 
 def _batch_size(x):
@@ -188,7 +301,7 @@ class CoupledGroup:
         logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return grads, logs_for_keras(logs, model.distribute_strategy)
 
-    def backward(self, data, output_grads, is_first):
+    def backward(self, data, output_grads, is_first, first_outputs):
         """Second pass of a micro-batch: its part of the group's gradient added to the sums.
 
         The gradient of ``sum(dL/dy * y)`` over its outputs ``y`` (``dL/dy``:
@@ -197,8 +310,15 @@ class CoupledGroup:
         carry). Its divisor is 1 at the first micro-step and 0 elsewhere:
         the sums are the group's gradient itself.
 
+        Args:
+            first_outputs: The outputs of its first pass (:meth:`forward`),
+                which this pass must compute again.
+
         Returns:
-            The accumulator's micro-step count, read after the adds.
+            The accumulator's micro-step count, read after the adds, and the
+            largest difference between this pass's outputs and
+            ``first_outputs``, relative to their largest magnitude (0 where
+            the passes agree; see :func:`check_replayed`).
         """
         model = self._model
         accumulator = model._accumulator
@@ -228,4 +348,13 @@ class CoupledGroup:
             objective = model.optimizer.scale_loss(objective)
         grads = tape.gradient(objective, variables)
         accumulator.add_classes([grads], [first])
-        return accumulator.micro_step.read_value()
+        drift = ops.max(
+            ops.stack(
+                [
+                    ops.max(ops.abs(ops.cast(t, "float32") - ops.cast(f, "float32")))
+                    / (ops.max(ops.abs(ops.cast(f, "float32"))) + 1e-30)
+                    for t, f in zip(tf.nest.flatten(y_pred), first_outputs)
+                ]
+            )
+        )
+        return accumulator.micro_step.read_value(), tf.stop_gradient(drift)

@@ -22,7 +22,11 @@ from gradient_accumulator._compat import (
 from gradient_accumulator._v05 import REMOVED_MODEL_ARGUMENTS
 from gradient_accumulator.agc import adaptive_clip_gradients
 from gradient_accumulator.batchnorm_averaging import AverageBatchNormStatistics
-from gradient_accumulator.coupled import CoupledGroup, check_coupled_loss
+from gradient_accumulator.coupled import (
+    CoupledGroup,
+    check_coupled_loss,
+    warn_if_loss_couples_samples,
+)
 from gradient_accumulator.distribute import logs_for_keras
 from gradient_accumulator.engine import GradientAccumulator, StateEntry, update_step_scope
 from gradient_accumulator.optimizer import check_optimizer_does_not_accumulate
@@ -254,6 +258,7 @@ class GradientAccumulateModel(keras.Model):
             self._ensure_accumulator()
         # The losses may have changed: find their classes again at the next fit.
         self._classes_discovered = False
+        self._coupling_checked = False
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
@@ -458,15 +463,29 @@ class GradientAccumulateModel(keras.Model):
                     functools.partial(_first_replica, strategy), batch
                 )
             iterator = None
-        if iterator is not None and data_batch is None and self._needs_class_discovery():
+        needs_batch = self._needs_class_discovery() or self._needs_coupling_check()
+        if iterator is not None and data_batch is None and needs_batch:
             # No strategy: Keras builds in the first trace; the class
-            # discovery needs a batch now (fit resets the iterator after).
+            # discovery and the coupling check need a batch now (fit resets
+            # the iterator after).
             data_batch = first_batch(iterator)
             iterator = None
         result = super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
         if data_batch is not None and self._needs_class_discovery():
             self._discover_normaliser_classes(tf.nest.map_structure(_spec, data_batch))
+        if data_batch is not None and self._needs_coupling_check():
+            self._coupling_checked = True
+            warn_if_loss_couples_samples(self, data_batch)
         return result
+
+    def _needs_coupling_check(self):
+        # Once per compile, where each micro-batch's loss is computed on its own.
+        return (
+            self.optimizer is not None
+            and self.accum_steps != 1
+            and self.coupled_loss is None
+            and not getattr(self, "_coupling_checked", False)
+        )
 
     def _needs_class_discovery(self):
         # A coupled loss's group is one loss: one class.

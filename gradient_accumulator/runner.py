@@ -21,6 +21,12 @@ is run is one of its named cases:
 
   ``steps_per_execution=n`` runs ``n`` groups per call of Keras's loop, one
   compiled call each.
+- **Whole groups of a coupled loss** (:meth:`GroupRunner.coupled_group_function`,
+  ``coupled_loss``): one compiled call per group in two passes, each a
+  ``tf.while_loop`` over its micro-batches: their outputs first, then the
+  group's loss on them, then their gradients through it
+  (:mod:`gradient_accumulator.coupled`). Graph and XLA; several replicas.
+  The other cases below are refused for it (they do not see a whole group).
 - **Micro-steps** (:meth:`GroupRunner.micro_steps_function`): data of unknown
   length, an epoch that starts inside a group (a resumed checkpoint, or
   after ``train_on_batch``), and ``train_on_batch``. Keras's own train
@@ -50,6 +56,7 @@ from gradient_accumulator._compat import (
     reduce_replica_logs,
     seed_generator_states,
 )
+from gradient_accumulator.coupled import check_replayed
 
 WHOLE_GROUPS = "whole groups"
 MICRO_STEPS = "micro-steps"
@@ -400,22 +407,26 @@ class GroupRunner:
                     for grads, replica_rows, device in zip(output_grads, rows, devices)
                 ]
 
-                def second_pass(index, done):
+                def second_pass(index, done, drift):
                     with tf.control_dependencies([done]):
                         for seed, cache in zip(seeds, seed_caches):
                             seed.assign(cache.read(index))
                         leaves = [[c.read(index) for c in each[:n_leaves]] for each in caches]
                     grads = [[c.read(index) for c in each] for each in grad_caches]
-                    marker = backward(leaves, grads, structure, ops.equal(index, 0))
-                    return index + 1, marker
+                    first = [[c.read(index) for c in each[n_leaves:-1]] for each in caches]
+                    marker, step_drift = backward(
+                        leaves, grads, structure, ops.equal(index, 0), first
+                    )
+                    return index + 1, marker, ops.maximum(drift, step_drift)
 
-                tf.while_loop(
-                    lambda index, _: index < length,
+                _, _, drift = tf.while_loop(
+                    lambda index, *_: index < length,
                     second_pass,
-                    (tf.constant(0, "int32"), tf.zeros((), "int64")),
+                    (tf.constant(0, "int32"), tf.zeros((), "int64"), tf.zeros(())),
                     parallel_iterations=1,
                 )
-                update()
+                with tf.control_dependencies([check_replayed(drift, model.name)]):
+                    update()
                 return logs
 
             if not model.run_eagerly:
@@ -446,8 +457,8 @@ class GroupRunner:
         def loss_in_replica(leaves, outputs):
             return coupled.loss(pack(leaves), outputs)
 
-        def backward_in_replica(leaves, grads, is_first):
-            return coupled.backward(pack(leaves), grads, is_first)
+        def backward_in_replica(leaves, grads, is_first, first_outputs):
+            return coupled.backward(pack(leaves), grads, is_first, first_outputs)
 
         if model.jit_compile and not model.run_eagerly:
             # One replica (XLA is refused with several): each a program of its own.
@@ -470,12 +481,14 @@ class GroupRunner:
             )
             return _replicas_results(strategy, grads), reduce_replica_logs(logs, strategy)
 
-        def backward(leaves, grads, structure, is_first):
+        def backward(leaves, grads, structure, is_first, first_outputs):
             batch["structure"] = structure
-            marker = strategy.run(
-                backward_in_replica, args=(_distributed(leaves), _distributed(grads), is_first)
+            arguments = (_distributed(leaves), _distributed(grads), is_first)
+            marker, drift = strategy.run(
+                backward_in_replica, args=(*arguments, _distributed(first_outputs))
             )
-            return ops.sum(ops.stack(strategy.experimental_local_results(marker)))
+            marker = ops.sum(ops.stack(strategy.experimental_local_results(marker)))
+            return marker, ops.max(ops.stack(strategy.experimental_local_results(drift)))
 
         def update_in_replica():
             model._apply_statistics(True)

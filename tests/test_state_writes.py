@@ -99,7 +99,14 @@ def test_spectral_normalization_with_train_on_batch():
 
 def test_spectral_normalization_under_mixed_float16(mixed_float16):
     x, y = _data()
-    reference = _fit_reference(x, y, 4)
+    try:
+        reference = _fit_reference(x, y, 4)
+    except tf.errors.InvalidArgumentError as error:
+        if "'Svd'" not in str(error):
+            raise
+        # Keras 3.3 takes the kernel's singular values in float16, for
+        # which TensorFlow's CPU has no kernel: plain Keras fails alike.
+        pytest.skip(f"Keras {keras.__version__}'s SpectralNormalization fails in float16 on CPU")
     model = _spectral(GradientAccumulateModel, accum_steps=4)
     model.compile(keras.optimizers.Adam(0.01), "mse")
     model.fit(x, y, batch_size=MICRO, epochs=3, shuffle=False, verbose=0)
