@@ -193,6 +193,19 @@ def test_tensorflow_internals():
     )
 
 
+def test_per_replica_values_are_what_strategies_hand_their_replicas():
+    # `coupled_loss` hands each replica its own cached tensors through
+    # strategy.run (tests/scripts/mirrored_coupled.py runs it on two).
+    from tensorflow.python.distribute.values import DistributedValues
+
+    first, second = tf.constant([1.0]), tf.constant([2.0])
+    value = _compat.per_replica([first, second])
+    assert isinstance(value, DistributedValues), _changed(
+        "tensorflow.python.distribute.values.PerReplica", "it is no DistributedValues"
+    )
+    assert value.values == (first, second)
+
+
 def test_xla_compilation_is_seen_while_tracing():
     seen = []
 
