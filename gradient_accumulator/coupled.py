@@ -104,11 +104,11 @@ def loss_couples_samples(model, data):
     on it eagerly).
     """
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    rows = int(tf.nest.flatten(x)[0].shape[0] or 0)
+    leaves = [t for t in tf.nest.flatten(x) if getattr(t, "shape", None) is not None]
+    rows = int(leaves[0].shape[0] or 0) if leaves else 0
     if rows < 4:
         return None
     half = rows // 2
-    outputs = tf.nest.map_structure(lambda t: ops.cast(t, "float32"), model(x, training=False))
 
     def first_rows(structure, count):
         return tf.nest.map_structure(lambda t: None if t is None else t[:count], structure)
@@ -128,6 +128,7 @@ def loss_couples_samples(model, data):
         return tape.gradient(loss, flat)
 
     try:
+        outputs = tf.nest.map_structure(lambda t: ops.cast(t, "float32"), model(x, training=False))
         whole, alone = gradient(rows), gradient(half)
     except (tf.errors.OpError, ValueError, TypeError):
         # Not computable eagerly on this batch: the training step says why, if it fails.
