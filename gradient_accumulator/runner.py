@@ -106,6 +106,11 @@ def _packed(structure, leaves):
     return tf.nest.pack_sequence_as(template, [None if m else next(values) for m in missing])
 
 
+def _cached_values(leaves, outputs):
+    """Per local replica, what the first pass caches of a micro-batch: tensors, outputs, rows."""
+    return [[*each, *out, tf.shape(each[0])[0]] for each, out in zip(leaves, outputs)]
+
+
 def _cache(like, length, device=None):
     """A ``TensorArray`` of ``length`` micro-batches' rows of tensors like ``like``."""
     shape = like.shape[1:] if like.shape.rank else like.shape
@@ -364,13 +369,9 @@ class GroupRunner:
                 saved = [raw_value(seed) for seed in seeds]
                 outputs = forward(leaves, structure, tf.constant(True))
                 # Per replica: its micro-batch's tensors, outputs, rows; the seed states.
-                cached = [
-                    [*replica_leaves, *replica_outputs, tf.shape(replica_leaves[0])[0]]
-                    for replica_leaves, replica_outputs in zip(leaves, outputs)
-                ]
                 caches = [
                     [_cache(t, length, device).write(0, t) for t in values]
-                    for values, device in zip(cached, devices)
+                    for values, device in zip(_cached_values(leaves, outputs), devices)
                 ]
                 seed_caches = [_cache(t, length).write(0, t) for t in saved]
 
@@ -382,11 +383,8 @@ class GroupRunner:
                     saved = [raw_value(seed) for seed in seeds]
                     outputs = forward(leaves, structure, tf.constant(False))
                     caches = [
-                        [
-                            c.write(index, v)
-                            for c, v in zip(replica_caches, [*each, *out, tf.shape(each[0])[0]])
-                        ]
-                        for replica_caches, each, out in zip(caches, leaves, outputs)
+                        [c.write(index, v) for c, v in zip(replica_caches, values)]
+                        for replica_caches, values in zip(caches, _cached_values(leaves, outputs))
                     ]
                     seed_caches = [c.write(index, v) for c, v in zip(seed_caches, saved)]
                     return index + 1, caches, seed_caches
