@@ -1,5 +1,6 @@
 """The optimizer wrapper: accumulates gradients for any Keras optimizer, in any training loop."""
 
+import contextlib
 import inspect
 import warnings
 from collections.abc import Callable
@@ -391,7 +392,15 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                     # a build that reads the model's variables (ScheduleFreeAdamW
                     # copies them) must read them there, where a model built by
                     # that step has them (outside, they are uninitialized).
-                    self.inner_optimizer.build(trainable_variables)
+                    # Under a strategy (Keras < 3.5's fit builds nothing first)
+                    # variables created there fail once read in the update's
+                    # conditional: they are created outside, as below.
+                    with (
+                        tf.init_scope()
+                        if tf.distribute.has_strategy()
+                        else contextlib.nullcontext()
+                    ):
+                        self.inner_optimizer.build(trainable_variables)
                 # The accumulation state is created outside the traced step (as
                 # Keras >= 3.5's fit does by building first): inside it, the
                 # update's conditional cannot initialize it under tf.distribute.
@@ -441,9 +450,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """
         if self._accumulator is None:
             return
-        self._accumulator.apply_pending(
-            self._apply_inner, optimizer_variables_in_build_order(self)
-        )
+        self._accumulator.apply_pending(self._apply_inner, optimizer_variables_in_build_order(self))
 
     def apply_gradients(self, grads_and_vars):
         """Accumulates one micro-step's gradients; on an update step, applies the group's mean.

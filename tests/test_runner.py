@@ -18,6 +18,7 @@ from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOpti
 from gradient_accumulator.runner import MICRO_STEPS, WHOLE_GROUPS
 from tests.helpers import (
     FLOAT32_ATOL,
+    KERAS_VERSION,
     OPTIMIZERS,
     assert_close,
     assert_diff_below,
@@ -273,4 +274,9 @@ def test_mirrored_every_accum_steps_equals_one_device(mirrored_results, case):
     result = mirrored_results[case]
     assert result["updates"] == result["reference_updates"] == MIRRORED_CASES[case], result
     assert result["moved"] > 1e-3, result
+    if case.startswith("optimizer-") and KERAS_VERSION < (3, 8):
+        # The optimizer wrapper left unbuilt trained (Keras < 3.5 builds it
+        # in the traced step) and counted its updates; its weights are plain
+        # Keras's, whose fit sums the replicas' mean losses before 3.8.
+        pytest.skip("Keras < 3.8: fit under a strategy sums the replicas' mean losses")
     assert_diff_below(result["diff"], FLOAT32_ATOL, result)
