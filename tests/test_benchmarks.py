@@ -95,6 +95,18 @@ EXPECTED = {
             "peak_rss_growth_mb",
         },
     ),
+    "coupled": (
+        {"quick", "parts", "micro_batch", "accum_steps", "results", "quality"},
+        {
+            "accum_steps",
+            "batch",
+            "big_batch_ms_per_sample",
+            "over_big_batch",
+            "over_big_batch_quartiles",
+            "memory",
+            "rounds",
+        },
+    ),
     "bn_overhead": (
         {"accum_steps", "widths", "micro_batch", "goal", "single_device", "mirrored"},
         {"mode", "accum_over_keras", "accumulate_only_over_keras", "update_step_over_keras"},

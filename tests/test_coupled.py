@@ -128,20 +128,25 @@ def accumulating(accum_steps, coupled_loss="replica", **kwargs):
 
 
 @pytest.mark.parametrize(
-    "accum_steps, samples, jit_compile",
+    "accum_steps, samples, jit_compile, steps_per_execution",
     [
-        (4, 3 * 32, False),
-        (4, 3 * 32, True),
+        (4, 3 * 32, False, 1),
+        (4, 3 * 32, True, 1),
         # The epoch's last group shorter (two micro-batches, as the big batch's last of 16).
-        (4, 2 * 32 + 16, False),
-        (4, 2 * 32 + 16, True),
-        (33, 33 * MICRO + 2 * MICRO, False),
+        (4, 2 * 32 + 16, False, 1),
+        (4, 2 * 32 + 16, True, 1),
+        # ... and its last micro-batch too (8 and 4 samples: the big batch's last of 12).
+        (4, 2 * 32 + 12, False, 3),
+        (4, 2 * 32 + 12, True, 3),
+        (33, 33 * MICRO + 2 * MICRO, False, 1),
+        (128, 128 * MICRO + 3 * MICRO, False, 1),
+        (128, 128 * MICRO + 3 * MICRO, True, 2),
     ],
 )
-def test_equals_the_big_batch(accum_steps, samples, jit_compile):
+def test_equals_the_big_batch(accum_steps, samples, jit_compile, steps_per_execution):
     x, y = pairs(samples)
     big = accum_steps * MICRO
-    compile_args = {"jit_compile": jit_compile}
+    compile_args = {"jit_compile": jit_compile, "steps_per_execution": steps_per_execution}
     reference, ref_logs = train(dual_encoder(), x, y, big, compile_args=compile_args)
     model, logs = train(accumulating(accum_steps), x, y, MICRO, compile_args=compile_args)
     assert_close(model.get_weights(), reference.get_weights(), FLOAT32_ATOL)
