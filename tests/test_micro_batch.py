@@ -85,6 +85,10 @@ def test_the_tries_peaks_grow_with_the_micro_batch(peaks):
         assert peaks[larger] > peaks[smaller], peaks
 
 
+# The tries of batch 8 whose largest micro-batch within the budget is the key.
+BISECTION = {8: [8], 4: [8, 4], 2: [8, 4, 1, 2], 1: [8, 4, 1, 2]}
+
+
 @pytest.mark.parametrize("micro_batch", [8, 4, 2, 1])
 def test_a_budget_between_two_peaks_chooses_the_smaller(peaks, micro_batch):
     larger = peaks.get(2 * micro_batch, 10 * peaks[micro_batch])
@@ -96,8 +100,10 @@ def test_a_budget_between_two_peaks_chooses_the_smaller(peaks, micro_batch):
     assert (choice.micro_batch, choice.accum_steps) == (micro_batch, BATCH // micro_batch)
     assert choice.accum_steps * choice.micro_batch == BATCH
     assert choice.peak_bytes <= budget < larger
-    assert [t.micro_batch for t in choice.tries] == [m for m in (8, 4, 2, 1) if m >= micro_batch]
-    assert [t.fits for t in choice.tries] == [False] * (len(choice.tries) - 1) + [True]
+    # The whole batch, the next divisor, then a bisection over 1 and 2.
+    assert [t.micro_batch for t in choice.tries] == BISECTION[micro_batch]
+    assert all(t.fits == (t.peak_bytes <= budget) for t in choice.tries)
+    assert all(t.fits == (t.micro_batch <= micro_batch) for t in choice.tries)
     # The chosen split, trained for real, stays within the budget.
     assert allocator_peak_of_fit(build_accumulating(choice.accum_steps), micro_batch) <= budget
 
@@ -108,7 +114,8 @@ def test_the_choice_says_what_it_chose_and_measured(peaks, capsys):
     printed = capsys.readouterr().out.strip()
     assert printed == str(choice)
     assert printed.startswith(f"Batch {BATCH} = accum_steps 4 x micro-batch 2: peak ")
-    assert "(tried 8: " in printed and " over, 4: " in printed and "3 tries in" in printed
+    assert "(tried 8: " in printed and " over, 4: " in printed and " over, 1: " in printed
+    assert " fits, 2: " in printed and " fits; 4 tries in " in printed
 
 
 def test_even_micro_batch_one_not_fitting_raises_before_any_weight_moves():
@@ -144,14 +151,21 @@ def test_an_out_of_memory_try_is_passed_over():
         model.compile(optimizer="sgd", loss="mse")
         return model
 
-    choice = choose_micro_batch(build, X, Y, batch_size=16, memory_budget="1 GiB", verbose=0)
+    choice = choose_micro_batch(build, X, Y, batch_size=64, memory_budget="1 GiB", verbose=0)
     assert choice.micro_batch == 4
-    assert [(t.micro_batch, t.peak_bytes) for t in choice.tries[:2]] == [(16, None), (8, None)]
-    assert "16: out of memory, 8: out of memory, 4: " in str(choice)
+    # 64, 32, then a bisection over 1, 2, 4, 8, 16: four tries where a scan
+    # from the largest down takes five.
+    assert [(t.micro_batch, t.peak_bytes is None) for t in choice.tries] == [
+        (64, True),
+        (32, True),
+        (4, False),
+        (8, True),
+    ]
+    assert str(choice).count(": out of memory") == 3
     # The process goes on training.
     model = build(choice.accum_steps)
     model.fit(X, Y, batch_size=choice.micro_batch, verbose=0)
-    assert int(model.optimizer.iterations.numpy()) == len(X) // 16
+    assert int(model.optimizer.iterations.numpy()) == math.ceil(len(X) / 64)  # one, shorter
 
 
 def test_a_batchnorm_model_at_the_choice_keeps_the_batch_statistics(peaks):
@@ -252,6 +266,19 @@ def test_arguments_are_checked(overrides, message):
         choose_micro_batch(**_refused(**overrides))
 
 
+def test_a_peak_the_cpu_allocator_did_not_count_is_refused(monkeypatch):
+    """On a CPU TensorFlow's allocator counts tensors of 256 KiB and more: a
+    try whose tensors are all smaller reads 0 bytes, which would "fit" any
+    budget (here 1 byte) and is refused instead."""
+    if DEVICES != ["/device:CPU:0"]:
+        pytest.skip("a GPU's allocator counts every tensor")
+    import gradient_accumulator.micro_batch as micro_batch
+
+    monkeypatch.setattr(micro_batch, "_try", lambda *args: (0, 1))
+    with pytest.raises(ValueError, match="counted no tensor while training micro-batch 8"):
+        choose_micro_batch(build_accumulating, X, Y, batch_size=8, memory_budget=1, verbose=0)
+
+
 def test_a_budget_is_required_without_a_gpu():
     assert DEVICES == ["/device:CPU:0"]
     message = "`memory_budget` is required without a GPU.*memory_budget=None"
@@ -311,7 +338,7 @@ def test_under_mirrored_strategy_the_batch_is_global():
     peaks = {int(m): peak for m, peak in result["peaks"].items()}
     assert peaks[8] > peaks[4]
     # The budget lies between the global micro-batches 4 and 8; odd sizes are never tried.
-    assert result["choice"] == [4, 4, [16, 8, 4]]
+    assert result["choice"] == [4, 4, [16, 8, 2, 4]]
     assert_diff_below(result["diff"], FLOAT32_ATOL, result)
     assert result["moved"] > 1e-3
     assert result["too_small"].startswith("Even micro-batch 2 does not fit in memory_budget=1 ")
