@@ -169,9 +169,10 @@ def time_per_sample(setup, accum_steps):
         fit_quietly(models[name], x, y, batch_size(name, b, accum_steps))  # warm-up: traces
 
     def run_once(name):
-        return timed(
-            lambda: fit_quietly(models[name], x, y, batch_size(name, b, accum_steps))
-        ) / samples
+        return (
+            timed(lambda: fit_quietly(models[name], x, y, batch_size(name, b, accum_steps)))
+            / samples
+        )
 
     return alternate({name: name for name in CONFIGURATIONS}, run_once, setup["rounds"])
 
