@@ -592,7 +592,7 @@ def run_python(args, timeout=600, env=None, label=None):
     the run in that message (default: the arguments). A process killed by a
     signal (a segmentation fault in TensorFlow's runtime: once in a CI run of
     ``tests.scripts.mirrored_counted`` under TensorFlow 2.21, not reproduced
-    in ten runs) is run once more, and the test fails if that one fails too,
+    in seven) is run once more, and the test fails if that one fails too,
     naming both.
     """
 
