@@ -15,8 +15,8 @@ tower of one hidden Dense layer of 512 units on 128 features, each ending in
 - ``micro-batch``: plain Keras at batch ``b`` (no accumulation).
 
 Time per sample: in one process per ``k``, the configurations take turns
-round after round (the first rotates), each fitting two groups per turn after
-a warm-up ``fit`` (excluded); medians over rounds of per-round ratios to the
+round after round (the first rotates), each fitting two groups and at least
+1024 samples per turn after a warm-up ``fit`` (excluded), 9 rounds; medians over rounds of per-round ratios to the
 big batch. Memory: each configuration ``fit`` in a fresh process; TensorFlow's
 allocator peak during ``fit`` above what was in use before it (on a CPU it
 counts tensors of 256 KiB and more; the script sets ``TF_ENABLE_ONEDNN_OPTS=1``
@@ -61,8 +61,21 @@ BIG, COUPLED, NAIVE, MICRO = "big batch", "coupled", "plain accumulation", "micr
 CONFIGURATIONS = (BIG, COUPLED, NAIVE, MICRO)
 MODULE = "benchmarks.coupled"
 
-COST = {"micro_batch": 16, "accum_steps": (1, 4, 16, 64), "size": 32, "rounds": 5}
-QUICK_COST = {"micro_batch": 4, "accum_steps": (2,), "size": 8, "rounds": 1, "quick": True}
+COST = {
+    "micro_batch": 16,
+    "accum_steps": (1, 4, 16, 64),
+    "size": 32,
+    "rounds": 9,
+    "turn_samples": 1024,
+}
+QUICK_COST = {
+    "micro_batch": 4,
+    "accum_steps": (2,),
+    "size": 8,
+    "rounds": 1,
+    "turn_samples": 8,
+    "quick": True,
+}
 QUALITY = {"micro_batch": 8, "accum_steps": 16, "updates": 300, "seeds": (0, 1, 2), "test": 1000}
 QUICK_QUALITY = {"micro_batch": 4, "accum_steps": 2, "updates": 3, "seeds": (0,), "test": 50}
 
@@ -161,7 +174,9 @@ def fit_quietly(model, x, y, batch, **kwargs):
 def time_per_sample(setup, accum_steps):
     """Seconds per sample of each configuration at ``accum_steps``, per round."""
     b = setup["micro_batch"]
-    samples = 2 * accum_steps * b  # two groups a turn
+    group = accum_steps * b
+    # Whole groups a turn: two, and at least `turn_samples` samples.
+    samples = group * max(2, -(-setup["turn_samples"] // group))
     x, y = cost_data(samples, setup["size"])
     models = {}
     for name in CONFIGURATIONS:
