@@ -18,10 +18,11 @@ Time per sample: in one process per ``k``, the configurations take turns
 round after round (the first rotates), each fitting two groups and at least
 1024 samples per turn after a warm-up ``fit`` (excluded), 9 rounds; medians
 over rounds of per-round ratios to the big batch. Memory: each configuration
-``fit`` in a fresh process; TensorFlow's allocator peak during ``fit`` above what was in use before it (on a CPU it
-counts tensors of 256 KiB and more; the script sets ``TF_ENABLE_ONEDNN_OPTS=1``
-unless it is set, without which TensorFlow keeps no CPU statistics) and the
-process's peak RSS above its idle RSS.
+``fit`` in a fresh process; TensorFlow's allocator peak during ``fit`` above
+what was in use before it (on a CPU it counts tensors of 256 KiB and more;
+the script sets ``TF_ENABLE_ONEDNN_OPTS=1`` unless it is set, without which
+TensorFlow keeps no CPU statistics) and the process's peak RSS above its
+idle RSS.
 
 Quality: a small dual encoder (two towers of Dense 64 relu then 32
 unit-normalised dimensions) on synthetic retrieval pairs (a query and its
