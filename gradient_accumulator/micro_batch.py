@@ -122,16 +122,6 @@ def _describe(attempt):
     return f"{attempt.micro_batch}: {_mib(attempt.peak_bytes)} {verdict}"
 
 
-_NOTHING_COUNTED = (
-    "The CPU's allocator counted no tensor while training micro-batch {micro_batch}: "
-    "on a CPU TensorFlow counts tensors of 256 KiB and more, and every tensor of this "
-    "model's training is smaller, so its peak cannot be compared with `memory_budget`. "
-    "A model this small needs no split of its batch on a CPU: train with "
-    "accum_steps=1 at batch_size={batch}, or search on the GPU you will train on. "
-    "Received: a peak of 0 bytes for micro-batch {micro_batch}"
-)
-
-
 def _memory_devices():
     """The allocators to read: every GPU's, else the CPU's (logical CPUs share it)."""
     gpus = tf.config.list_logical_devices("GPU")
@@ -373,7 +363,15 @@ def choose_micro_batch(
             )
         gc.collect()
         if peak == 0 and devices == ["/device:CPU:0"]:
-            raise ValueError(_NOTHING_COUNTED.format(micro_batch=micro_batch, batch=batch_size))
+            raise ValueError(
+                "The CPU's allocator counted no tensor while training micro-batch "
+                f"{micro_batch}: on a CPU TensorFlow counts tensors of 256 KiB and more, "
+                "and every tensor of this model's training is smaller, so its peak "
+                "cannot be compared with `memory_budget`. A model this small needs no "
+                f"split of its batch on a CPU: train with accum_steps=1 at "
+                f"batch_size={batch_size}, or search on the GPU you will train on. "
+                f"Received: a peak of 0 bytes for micro-batch {micro_batch}"
+            )
         fits = peak is not None and (budget is None or peak <= budget)
         tries.append(MicroBatchTry(micro_batch, peak, fits))
         return fits
