@@ -17,7 +17,9 @@ tower of one hidden Dense layer of 512 units on 128 features, each ending in
 Time per sample: in one process per ``k``, the configurations take turns
 round after round (the first rotates), each fitting two groups and at least
 1024 samples per turn after a warm-up ``fit`` (excluded), 9 rounds; medians
-over rounds of per-round ratios to the big batch. Memory: each configuration
+over rounds of per-round ratios to the big batch, for wall time and for the
+process's CPU time (user and system, every thread: the work done, which
+moves less with others' load on a shared machine). Memory: each configuration
 ``fit`` in a fresh process; TensorFlow's allocator peak during ``fit`` above
 what was in use before it (on a CPU it counts tensors of 256 KiB and more;
 the script sets ``TF_ENABLE_ONEDNN_OPTS=1`` unless it is set, without which
@@ -41,6 +43,7 @@ against ``accum_steps``).
 import json
 import os
 import sys
+import time
 import warnings
 
 from benchmarks._common import (
@@ -185,12 +188,14 @@ def time_per_sample(setup, accum_steps):
         fit_quietly(models[name], x, y, batch_size(name, b, accum_steps))  # warm-up: traces
 
     def run_once(name):
-        return (
-            timed(lambda: fit_quietly(models[name], x, y, batch_size(name, b, accum_steps)))
-            / samples
-        )
+        cpu = time.process_time()
+        wall = timed(lambda: fit_quietly(models[name], x, y, batch_size(name, b, accum_steps)))
+        return wall / samples, (time.process_time() - cpu) / samples
 
-    return alternate({name: name for name in CONFIGURATIONS}, run_once, setup["rounds"])
+    raw = alternate({name: name for name in CONFIGURATIONS}, run_once, setup["rounds"])
+    wall = {name: [w for w, _ in runs] for name, runs in raw.items()}
+    cpu = {name: [c for _, c in runs] for name, runs in raw.items()}
+    return wall, cpu
 
 
 def memory_child(config):
@@ -216,7 +221,7 @@ def memory_child(config):
 def cost(setup):
     results = []
     for accum_steps in setup["accum_steps"]:
-        rounds = time_per_sample(setup, accum_steps)
+        rounds, cpu = time_per_sample(setup, accum_steps)
         memory = {}
         for name in CONFIGURATIONS:
             config = {"setup": setup, "configuration": name, "accum_steps": accum_steps}
@@ -234,6 +239,8 @@ def cost(setup):
                     n: ratio_quartiles(rounds[n], big) for n in CONFIGURATIONS
                 },
                 "seconds_per_sample": rounds,
+                "cpu_over_big_batch": {n: median_ratio(cpu[n], cpu[BIG]) for n in CONFIGURATIONS},
+                "cpu_seconds_per_sample": cpu,
                 "memory": memory,
                 "rounds": setup["rounds"],
             }
@@ -253,6 +260,7 @@ def print_cost(results, setup):
                     r["batch"],
                     name,
                     f"{r['over_big_batch'][name]:.2f} [{q1:.2f}, {q3:.2f}]",
+                    f"{r['cpu_over_big_batch'][name]:.2f}",
                     f"{r['memory'][name]['tf_peak_mb']:.1f}",
                     f"{r['memory'][name]['rss_extra_mb']:.1f}",
                 ]
@@ -260,7 +268,15 @@ def print_cost(results, setup):
     print_table(
         f"cost (micro-batch {setup['micro_batch']}; time per sample over the big batch's: "
         f"median [quartiles] of {setup['rounds']} rounds; peaks of fit above before it, MiB)",
-        ["k", "k*b", "configuration", "time/sample vs big", "allocator peak", "RSS peak"],
+        [
+            "k",
+            "k*b",
+            "configuration",
+            "time/sample vs big",
+            "CPU time vs big",
+            "allocator peak",
+            "RSS peak",
+        ],
         rows,
     )
 

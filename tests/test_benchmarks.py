@@ -102,6 +102,7 @@ EXPECTED = {
             "batch",
             "big_batch_ms_per_sample",
             "over_big_batch",
+            "cpu_over_big_batch",
             "over_big_batch_quartiles",
             "memory",
             "rounds",

@@ -134,13 +134,13 @@ def accumulating(accum_steps, coupled_loss="replica", **kwargs):
         (4, 3 * 32, True, 1),
         # The epoch's last group shorter (two micro-batches, as the big batch's last of 16).
         (4, 2 * 32 + 16, False, 1),
-        (4, 2 * 32 + 16, True, 1),
+        pytest.param(4, 2 * 32 + 16, True, 1, marks=pytest.mark.slow),
         # ... and its last micro-batch too (8 and 4 samples: the big batch's last of 12).
         (4, 2 * 32 + 12, False, 3),
-        (4, 2 * 32 + 12, True, 3),
+        pytest.param(4, 2 * 32 + 12, True, 3, marks=pytest.mark.slow),
         (33, 33 * MICRO + 2 * MICRO, False, 1),
-        (128, 128 * MICRO + 3 * MICRO, False, 1),
-        (128, 128 * MICRO + 3 * MICRO, True, 2),
+        pytest.param(128, 128 * MICRO + 3 * MICRO, False, 1, marks=pytest.mark.slow),
+        pytest.param(128, 128 * MICRO + 3 * MICRO, True, 2, marks=pytest.mark.slow),
     ],
 )
 def test_equals_the_big_batch(accum_steps, samples, jit_compile, steps_per_execution):
