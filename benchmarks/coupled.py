@@ -49,6 +49,7 @@ import warnings
 from benchmarks._common import (
     MIB,
     alternate,
+    median,
     median_ratio,
     parser,
     peak_rss_mb,
@@ -59,6 +60,7 @@ from benchmarks._common import (
     run_child,
     save,
     timed,
+    training_device,
 )
 
 BIG, COUPLED, NAIVE, MICRO = "big batch", "coupled", "plain accumulation", "micro-batch"
@@ -208,7 +210,7 @@ def memory_child(config):
     model = compiled(name, *clip_encoder(setup["size"]), accum_steps, 0.05)
     batch = batch_size(name, b, accum_steps)
     fit_quietly(model, x, y, batch)  # traces; its peak is not the step's
-    device = "CPU:0" if not tf.config.list_physical_devices("GPU") else "GPU:0"
+    device = training_device()
     tf.config.experimental.reset_memory_stats(device)
     before = tf.config.experimental.get_memory_info(device)["current"]
     idle = rss_mb()
@@ -220,20 +222,19 @@ def memory_child(config):
 
 def cost(setup):
     results = []
+    fresh = not setup.get("quick")  # --quick: memory in this process (figures meaningless)
     for accum_steps in setup["accum_steps"]:
         rounds, cpu = time_per_sample(setup, accum_steps)
         memory = {}
         for name in CONFIGURATIONS:
             config = {"setup": setup, "configuration": name, "accum_steps": accum_steps}
-            # --quick: in this process (the figures mean nothing anyway).
-            fresh = not setup.get("quick")
             memory[name] = run_child(MODULE, config) if fresh else memory_child(config)
         big = rounds[BIG]
         results.append(
             {
                 "accum_steps": accum_steps,
                 "batch": setup["micro_batch"] * accum_steps,
-                "big_batch_ms_per_sample": 1000 * sorted(big)[len(big) // 2],
+                "big_batch_ms_per_sample": 1000 * median(big),
                 "over_big_batch": {n: median_ratio(rounds[n], big) for n in CONFIGURATIONS},
                 "over_big_batch_quartiles": {
                     n: ratio_quartiles(rounds[n], big) for n in CONFIGURATIONS

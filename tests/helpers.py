@@ -609,10 +609,10 @@ def run_python(args, timeout=600, env=None, label=None):
     completed = run()
     first = ""
     if completed.returncode < 0:
-        first = f"(a first run was killed by signal {-completed.returncode}; run again) "
+        first = f", after a first run killed by signal {-completed.returncode}"
         completed = run()
     assert completed.returncode == 0, (
-        f"{label or ' '.join(args)} failed ({completed.returncode}) {first}:\n"
+        f"{label or ' '.join(args)} failed ({completed.returncode}{first}):\n"
         f"{completed.stdout}\n{completed.stderr}"
     )
     return completed.stdout
