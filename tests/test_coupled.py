@@ -13,6 +13,8 @@ rows in turn (:class:`PerMicroBatch`), which plain Keras computes in one
 forward pass under one tape.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -22,11 +24,14 @@ from keras import ops
 from gradient_accumulator import AccumBatchNormalization, GradientAccumulateModel
 from gradient_accumulator._compat import builds_before_first_trace
 from tests.helpers import (
+    FLOAT8_KERNEL_RTOL,
+    FLOAT8_STATE_RTOL,
     FLOAT16_ATOL,
     FLOAT32_ATOL,
     KERAS_VERSION,
     assert_close,
     assert_diff_below,
+    float8_differences,
     max_abs_diff,
     run_script_module,
     run_workers,
@@ -77,6 +82,7 @@ def dual_encoder(
     batchnorm=None,
     regularizer=None,
     classifier=False,
+    use_bias=True,
     **kwargs,
 ):
     """Two towers (query, candidate) -> ``[q, c]`` (and class logits if ``classifier``)."""
@@ -86,12 +92,14 @@ def dual_encoder(
         return layer if per_micro_batch is None else PerMicroBatch(layer, per_micro_batch)
 
     def tower(inputs):
-        hidden = keras.layers.Dense(16, activation="relu", kernel_regularizer=regularizer)(inputs)
+        hidden = keras.layers.Dense(
+            16, activation="relu", kernel_regularizer=regularizer, use_bias=use_bias
+        )(inputs)
         if batchnorm is not None:
             hidden = wrap(batchnorm())(hidden)
         if dropout:
             hidden = wrap(keras.layers.Dropout(0.3, seed=3))(hidden)
-        return keras.layers.UnitNormalization()(keras.layers.Dense(8)(hidden))
+        return keras.layers.UnitNormalization()(keras.layers.Dense(8, use_bias=use_bias)(hidden))
 
     query = keras.Input((FEATURES,), name="query")
     candidate = keras.Input((FEATURES,), name="candidate")
@@ -409,3 +417,32 @@ def test_per_sample_losses_are_not_warned_about(case, recwarn):
     weights = rng.uniform(0.5, 2.0, size=shape).astype("float32")
     model.fit(x, y, sample_weight=weights, batch_size=MICRO, epochs=1, verbose=0)
     assert not [w for w in recwarn if "compares the samples" in str(w.message)]
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_float8_equals_the_big_batch(jit_compile):
+    # Float8 Dense layers (model.quantize("float8")): their scales and amax
+    # histories are written by each micro-batch's second pass (the amax of
+    # its inputs, and of its rows of the group's output gradient) and take
+    # the group's maximum, the big batch's value. No biases, as in
+    # tests.helpers.build_float8: Keras's float8 Dense rounds a bias's
+    # gradient through bfloat16 per micro-batch (after one update the biases
+    # differ by up to 2.2e-4 here, the kernels not at all), and the
+    # contrastive loss carries that into every weight over a few updates
+    # (4e-3 after three).
+    x, y = pairs(3 * 32)
+    models = []
+    for model in (dual_encoder(use_bias=False), accumulating(4, use_bias=False)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # layers without `quantize`
+            model.quantize("float8")
+        models.append(model)
+    compile_args = {"jit_compile": jit_compile}
+    reference, _ = train(models[0], x, y, 32, compile_args=compile_args)
+    model, _ = train(models[1], x, y, MICRO, compile_args=compile_args)
+    assert int(model.optimizer.iterations.numpy()) == 6
+    marked = [w for w in model.weights if getattr(w, "overwrite_with_gradient", False)]
+    assert len(marked) == 24  # 4 Dense layers x (inputs, kernel, outputs' gradient) x 2
+    differences = float8_differences(reference, model)
+    assert differences["state"] < FLOAT8_STATE_RTOL, differences
+    assert differences["kernel"] < FLOAT8_KERNEL_RTOL, differences

@@ -1144,3 +1144,86 @@ def test_batchnorm_with_other_accum_steps_is_refused_at_construction():
     hidden = AccumBatchNormalization(accum_steps=2, name="bn")(keras.layers.Dense(4)(inputs))
     with pytest.raises(ValueError, match=r"Layer 'bn' has `accum_steps=2`.*`accum_steps=4`"):
         GradientAccumulateModel(accum_steps=4, inputs=inputs, outputs=keras.layers.Dense(1)(hidden))
+
+
+class _Logs(keras.callbacks.Callback):
+    """Every per-update (per-batch) log of ``fit``, as floats."""
+
+    def on_train_begin(self, logs=None):
+        self.batches = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches.append({key: float(value) for key, value in logs.items()})
+
+
+def _logged(model, x, y, batch_size, sample_weight=None, loss="mse", metrics=("mae",), **compiled):
+    model.compile(OPTIMIZERS["adam"](), loss, metrics=list(metrics), **compiled)
+    logs = _Logs()
+    history = model.fit(
+        x,
+        y,
+        sample_weight=sample_weight,
+        batch_size=batch_size,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[logs],
+    )
+    return logs.batches, history.history
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "sample_weight"])
+@pytest.mark.parametrize("mode", ["graph", "jit"])
+def test_logs_per_update_and_history_equal_the_big_batch_s(mode, weighted):
+    # 10 micro-batches an epoch: groups of 4, 4 and a shorter 2. Each update's
+    # logs (the loss and the metrics, running means over the epoch's
+    # updates) and the History equal plain Keras's at the big batch, whose
+    # batches are the groups; sample weights whose micro-batches' sums differ.
+    x, y = make_regression_data(10 * MICRO_BATCH)
+    weights = None
+    if weighted:
+        weights = np.random.default_rng(1).uniform(0.1, 3.0, len(x)).astype("float32")
+    reference = _logged(build_dense(), x, y, 4 * MICRO_BATCH, weights, **MODES[mode])
+    model = build_dense(GradientAccumulateModel, accum_steps=4)
+    logged = _logged(model, x, y, MICRO_BATCH, weights, **MODES[mode])
+    assert len(logged[0]) == len(reference[0]) == 6
+    for update, (expected, got) in enumerate(zip(reference[0], logged[0])):
+        assert set(got) == set(expected) == {"loss", "mae"}
+        for key in expected:
+            assert abs(got[key] - expected[key]) <= 1e-6 * abs(expected[key]), (update, key)
+    for key, values in reference[1].items():
+        np.testing.assert_allclose(logged[1][key], values, rtol=1e-6, err_msg=key)
+
+
+class LoggedLossDiffers(AssertionError):
+    pass
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=LoggedLossDiffers,
+    reason="A masked (token) loss's logged value is the running mean of the micro-batches' "
+    "token means, each weighted by its samples, where plain Keras logs the big batch's token "
+    "mean weighted by its samples: 1.608022 against 1.608463 at the first update here, with "
+    "the weights and the accuracy the big batch's (issue 42, part 2).",
+)
+def test_logged_token_loss_equals_the_big_batch_s():
+    x, tags, _ = make_padded_sequences(10 * MICRO_BATCH)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    runs = []
+    for model, batch_size in (
+        (build_tagger(), 4 * MICRO_BATCH),
+        (build_tagger(GradientAccumulateModel, accum_steps=4), MICRO_BATCH),
+    ):
+        # SGD: its sparse update of the Embedding is the dense one (Adam's is not).
+        model.compile(keras.optimizers.SGD(0.1), loss, metrics=["accuracy"])
+        logs = _Logs()
+        model.fit(x, tags, batch_size=batch_size, shuffle=False, verbose=0, callbacks=[logs])
+        runs.append((logs.batches, model.get_weights()))
+    (expected_logs, reference), (logged, weights) = runs
+    assert_close(reference, weights, FLOAT32_ATOL)
+    assert len(logged) == len(expected_logs) == 3
+    for expected, got in zip(expected_logs, logged):
+        assert abs(got["accuracy"] - expected["accuracy"]) <= 1e-6
+        if abs(got["loss"] - expected["loss"]) > 1e-6 * abs(expected["loss"]):
+            raise LoggedLossDiffers(f"{got['loss']} != {expected['loss']}")
