@@ -15,11 +15,24 @@ The peak is TensorFlow's allocator's on the training device (the GPU's with
 ``--device gpu``): on a CPU it counts tensors of 256 KiB and more, not the
 process's memory (``benchmarks.memory`` measures RSS).
 
-Run: ``python -m benchmarks.micro_batch`` (``--models mlp`` for a part;
-``--quick`` for CI: a small dense model, figures meaningless). Writes
-``micro_batch.json`` and ``micro_batch.png`` (peak against budget, each point
-labelled with its choice).
+The search (``--parts search``): how many tries, and how many seconds, the
+search takes for batches 256, 1024 and 4096 on the dense model of
+``benchmarks.fit_time``'s kind (256-512-512-10) and MobileNetV2 (alpha 0.35,
+32x32), at a budget of micro-batch 8's allocator peak plus 2% (measured
+first by one try, not counted; a model that needs micro-batches this small
+is the case a search is for): ``choose_micro_batch`` as it is (the whole
+batch, the next divisor, then a bisection), and the scan it replaced (every
+divisor from the batch down until one fits), the same tries
+(``micro_batch._try``) timed here in the same process, one after the other.
+
+Run: ``python -m benchmarks.micro_batch`` (``--models mlp`` for a part of
+the choices, ``--parts search`` for the search alone; ``--quick`` for CI: a
+small dense model, figures meaningless). Writes ``micro_batch.json`` and
+``micro_batch.png`` (peak against budget, each point labelled with its
+choice).
 """
+
+import time
 
 from benchmarks._common import (
     LIBRARY,
@@ -43,11 +56,14 @@ SETUPS = {
     "mlp": {"batch": 2048, "shape": (1024,), "fractions": (0.97, 0.9)},
 }
 QUICK = {"dense": {"batch": 16, "shape": (256,), "fractions": (0.99,)}}
+SEARCH = {"models": {"dense": (256,), "mobilenetv2": (32, 32, 3)}, "batches": (256, 1024, 4096)}
+QUICK_SEARCH = {"models": {"dense": (256,)}, "batches": (16,)}
+SEARCH_TARGET = 8  # the budget: this micro-batch's peak, plus 2%
 
 
-def _layers(name):
+def _layers(name, size=96):
     if name == "mobilenetv2":
-        return mobilenetv2(size=96, alpha=0.35)
+        return mobilenetv2(size=size, alpha=0.35)
     if name == "mlp":
         return dense_model(features=1024, width=4096)
     return dense_model()
@@ -90,6 +106,85 @@ def run_setup(name, setup):
     return {"model": name, "batch_size": setup["batch"], "choices": rows}
 
 
+def _scan(build, x, y, batch, budget):
+    """The search before the bisection: each divisor from ``batch`` down until one fits."""
+    from gradient_accumulator._compat import custom_gradients_dropped
+    from gradient_accumulator.micro_batch import _memory_devices, _try
+
+    devices = _memory_devices()
+    start, tries = time.perf_counter(), []
+    for micro_batch in [m for m in range(batch, 0, -1) if not batch % m]:
+        with custom_gradients_dropped():
+            peak, _ = _try(build, batch // micro_batch, micro_batch, (x, y, None), devices)
+        tries.append(micro_batch)
+        if peak is not None and peak <= budget:
+            return {
+                "micro_batch": micro_batch,
+                "tries": tries,
+                "seconds": time.perf_counter() - start,
+            }
+    return {"micro_batch": None, "tries": tries, "seconds": time.perf_counter() - start}
+
+
+def run_search(name, shape, batch, quick=False):
+    """The bisection's and the scan's tries and seconds, at micro-batch 8's peak (+2%)."""
+    from gradient_accumulator import choose_micro_batch
+    from gradient_accumulator._compat import custom_gradients_dropped
+    from gradient_accumulator.micro_batch import _memory_devices, _try
+
+    size = shape[0] if len(shape) == 3 else 96
+
+    def build(accum_steps):
+        return compiled(LIBRARY, *_layers(name, size), accum_steps)
+
+    x, y = classification_data(batch, shape)
+    target = min(SEARCH_TARGET, batch)
+    with custom_gradients_dropped():
+        peak, _ = _try(build, batch // target, target, (x, y, None), _memory_devices())
+    # --quick: a tiny model whose peaks are the allocator's noise; any fits.
+    budget = 2**40 if quick else int(1.02 * peak)
+    choice = choose_micro_batch(build, x, y, batch_size=batch, memory_budget=budget)
+    bisection = {
+        "micro_batch": choice.micro_batch,
+        "tries": [t.micro_batch for t in choice.tries],
+        "seconds": choice.seconds,
+    }
+    scan = _scan(build, x, y, batch, budget)
+    print(
+        f"{name} batch {batch}: budget {budget / MIB:.1f} MiB; bisection {bisection}; scan {scan}",
+        flush=True,
+    )
+    return {
+        "model": name,
+        "batch_size": batch,
+        "target_peak_mb": peak / MIB,
+        "budget_mb": budget / MIB,
+        "bisection": bisection,
+        "scan": scan,
+    }
+
+
+def search_plotter(search):
+    """``plot(ax)``: seconds of the bisection and of the scan, per model and batch."""
+
+    def plot(ax):
+        labels = [f"{r['model']}\n{r['batch_size']}" for r in search]
+        positions = range(len(search))
+        for offset, key in ((-0.2, "bisection"), (0.2, "scan")):
+            ax.bar(
+                [p + offset for p in positions],
+                [r[key]["seconds"] for r in search],
+                width=0.4,
+                label=key,
+            )
+        ax.set_xticks(list(positions), labels, fontsize="small")
+        ax.set_ylabel("seconds of the search")
+        ax.set_title("choose_micro_batch: bisection against the scan it replaced")
+        ax.legend(fontsize="small")
+
+    return plot
+
+
 def plotter(results):
     """``plot(ax)``: each budget's chosen split's peak against the budget."""
 
@@ -122,6 +217,7 @@ def main():
     p.add_argument(
         "--models", default=",".join(SETUPS), help=f"comma-separated: {','.join(SETUPS)}"
     )
+    p.add_argument("--parts", default="choices,search", help="comma-separated: choices,search")
     args = p.parse_args()
     if args.quick and args.models != p.get_default("models"):
         p.error("`--quick` runs its own tiny case: drop `--models`.")
@@ -129,8 +225,22 @@ def main():
     for name in names:
         if name not in SETUPS:
             p.error(f"`--models`: unknown name {name!r}; the names are {', '.join(SETUPS)}")
+    parts = args.parts.split(",")
+    for part in parts:
+        if part not in ("choices", "search"):
+            p.error(f"`--parts`: unknown part {part!r}; the parts are choices, search")
     setups = QUICK if args.quick else {name: SETUPS[name] for name in names}
-    results = [run_setup(name, setup) for name, setup in setups.items()]
+    results = (
+        [run_setup(name, setup) for name, setup in setups.items()] if "choices" in parts else []
+    )
+    search = []
+    if "search" in parts:
+        plan = QUICK_SEARCH if args.quick else SEARCH
+        search = [
+            run_search(name, shape, batch, args.quick)
+            for name, shape in plan["models"].items()
+            for batch in plan["batches"]
+        ]
 
     def row(r, c):
         mib = c["budget_mb"]
@@ -148,18 +258,39 @@ def main():
             f"{c['seconds']:.1f}",
         ]
 
-    rows = [row(r, c) for r in results for c in r["choices"]]
-    print_table(
-        "choose_micro_batch: the choice at each budget (allocator peak, MiB)",
-        ["model", "batch", "budget MiB", "accum_steps x micro-batch", "peak MiB", "tried", "s"],
-        rows,
-    )
+    if results:
+        rows = [row(r, c) for r in results for c in r["choices"]]
+        print_table(
+            "choose_micro_batch: the choice at each budget (allocator peak, MiB)",
+            ["model", "batch", "budget MiB", "accum_steps x micro-batch", "peak MiB", "tried", "s"],
+            rows,
+        )
+    if search:
+        print_table(
+            f"the search at micro-batch {SEARCH_TARGET}'s allocator peak + 2%: "
+            "bisection (now) against the scan it replaced",
+            ["model", "batch", "budget MiB", "chosen", "tries", "s", "scan: chosen", "tries", "s"],
+            [
+                [
+                    r["model"],
+                    r["batch_size"],
+                    f"{r['budget_mb']:.1f}",
+                    r["bisection"]["micro_batch"],
+                    len(r["bisection"]["tries"]),
+                    f"{r['bisection']['seconds']:.1f}",
+                    r["scan"]["micro_batch"],
+                    len(r["scan"]["tries"]),
+                    f"{r['scan']['seconds']:.1f}",
+                ]
+                for r in search
+            ],
+        )
 
     save(
         args.out,
         "micro_batch" + ("_quick" if args.quick else ""),
-        {"quick": args.quick, "results": results},
-        plotter(results),
+        {"quick": args.quick, "parts": parts, "results": results, "search": search},
+        plotter(results) if results else search_plotter(search),
     )
 
 

@@ -78,7 +78,7 @@ EXPECTED = {
         {"mode", "memory", "two_over_one_class", "one_class_over_plain", "two_classes_over_plain"},
     ),
     "micro_batch": (
-        {"quick", "results"},
+        {"quick", "parts", "results", "search"},
         {"model", "batch_size", "choices"},
     ),
     "accum_scaling": (
