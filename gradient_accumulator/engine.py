@@ -464,9 +464,11 @@ class GradientAccumulator(tf.Module):
         variables,
         gradient_transform=None,
         reduce_every_micro_step=False,
+        track_gradient_norm=False,
         name="gradient_accumulator",
     ):
         super().__init__(name=name)
+        self._track_gradient_norm = track_gradient_norm
         self.accum_steps = accum_steps
         self._gradient_transform = gradient_transform
         self._reduce_every_micro_step = reduce_every_micro_step
@@ -487,6 +489,8 @@ class GradientAccumulator(tf.Module):
             self.steps_to_boundary = local(-1, (), "int64", "steps_to_boundary", first)
             self.update_count = local(0, (), "int64", "update_count", first)
             self.pending_weight = local(-1, (), "float32", "pending_weight", first)
+            # The last update's mean gradient's norm (`track_gradient_norm`). Transient.
+            self.gradient_norm = local(0, (), "float32", "gradient_norm", first)
         # The normaliser classes (see `configure_classes`) after the first,
         # each with its divisor, its reference and its extra sums: none for
         # a loss of one class.
@@ -904,6 +908,8 @@ class GradientAccumulator(tf.Module):
         mean_grads = [
             None if m is None else ops.cast(m, var.dtype) for var, m in zip(variables, means)
         ]
+        if self._track_gradient_norm:
+            self.gradient_norm.assign(self._mean_gradient_norm(mean_grads, optimizer))
         if self._gradient_transform is not None:
             # Not applied to maxima, which are values to assign, not gradients.
             maxima = self._takes_maximum
@@ -918,6 +924,21 @@ class GradientAccumulator(tf.Module):
         # benchmarks page has the figures).
         with tf.control_dependencies([tf.convert_to_tensor(v) for v in variables]):
             self.reset(_has_loss_scale(optimizer))
+
+    def _mean_gradient_norm(self, mean_grads, optimizer):
+        """The global L2 norm of the mean gradient, divided by the loss scale if any.
+
+        Float8 scales and amax histories (maxima, not gradients) are left out.
+        """
+        squares = [
+            ops.sum(ops.square(ops.cast(g, "float32")))
+            for g, maximum in zip(mean_grads, self._takes_maximum)
+            if g is not None and not maximum
+        ]
+        if not squares:
+            return ops.zeros((), "float32")
+        scale = ops.cast(optimizer.scale_loss(tf.constant(1.0)), "float32")
+        return ops.sqrt(ops.sum(ops.stack(squares))) / scale
 
     def reset(self, check_finite=False):
         """Empties the group (call in replica context).

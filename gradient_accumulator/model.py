@@ -57,6 +57,7 @@ _WRAPPER_ARGUMENTS = (
     "reduce_every_micro_step",
     "average_batchnorm_statistics",
     "coupled_loss",
+    "gradient_norm",
 )
 
 # What `keras.Model` takes besides them: a functional model's `inputs`,
@@ -191,6 +192,12 @@ class GradientAccumulateModel(keras.Model):
             (:doc:`/guides/contrastive`). ``None`` (the default): each
             sample's loss depends on its own outputs only, and each
             micro-batch's loss is computed on its own.
+        gradient_norm: Boolean, log ``gradient_norm`` with each update: the
+            global L2 norm of the group's mean gradient, unscaled, before
+            any clipping or AGC (the norm ``global_clipnorm`` compares), the
+            big batch's gradient norm. The epoch's value in ``History`` is
+            its last update's. Costs one squared-norm reduction per update.
+            Defaults to ``False``.
         **kwargs: Passed to ``keras.Model``, usually ``inputs=`` and
             ``outputs=``.
 
@@ -216,6 +223,7 @@ class GradientAccumulateModel(keras.Model):
         reduce_every_micro_step: bool = False,
         average_batchnorm_statistics: bool = True,
         coupled_loss: str | None = None,
+        gradient_norm: bool = False,
         **kwargs,
     ):
         check_keyword_arguments(
@@ -233,6 +241,7 @@ class GradientAccumulateModel(keras.Model):
         )
         self.use_agc, self.clip_factor, self.eps = check_agc_arguments(use_agc, clip_factor, eps)
         self.coupled_loss = check_coupled_loss(coupled_loss)
+        self.gradient_norm = check_bool("gradient_norm", gradient_norm)
         super().__init__(*args, **kwargs)
         self._accumulator = None
         self._runner = GroupRunner(self)
@@ -387,7 +396,16 @@ class GradientAccumulateModel(keras.Model):
                 accumulator.add_classes(class_grads, divisors)
         build_compiled_metrics_outside_trace(self, y, y_pred)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        if place is None:
+            # The update, if any, ran above: its gradient norm.
+            logs = self._with_gradient_norm(logs)
         return logs_for_keras(logs, self.distribute_strategy)
+
+    def _with_gradient_norm(self, logs):
+        """``logs`` with ``gradient_norm`` (the last update's) if the model tracks it."""
+        if not self.gradient_norm:
+            return logs
+        return {**logs, "gradient_norm": self._accumulator.gradient_norm.read_value()}
 
     def _update(self, condition):
         """The group's update, if ``condition`` (replica context).
@@ -726,6 +744,7 @@ class GradientAccumulateModel(keras.Model):
                 variables,
                 gradient_transform=self._clip_adaptively if self.use_agc else None,
                 reduce_every_micro_step=self.reduce_every_micro_step,
+                track_gradient_norm=self.gradient_norm,
                 name="gradient_accumulator",
             )
         # A tf.Module: TF's checkpoint tracking picks it up, Keras's weight

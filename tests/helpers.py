@@ -364,6 +364,21 @@ def build_two_heads(cls=keras.Model, seed=0, pooled_head=False, regularizer=None
     return cls(inputs=inputs, outputs=[tags, second], **kwargs)
 
 
+class GradientNormLogging(keras.Model):
+    """Plain Keras's train step, logging its gradient's global norm: the big batch's reference."""
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        squares = [keras.ops.sum(keras.ops.square(g)) for g in grads]
+        norm = keras.ops.sqrt(keras.ops.sum(keras.ops.stack(squares)))
+        return {"loss": loss, "gradient_norm": norm}
+
+
 def train_big_batches(build, make_optimizer, x, y, batch_size, epochs=1, densify=False, clip=None):
     """A plain-Keras reference trained step by step: one update per batch of ``batch_size``.
 

@@ -29,6 +29,7 @@ from tests.helpers import (
     FLOAT16_ATOL,
     FLOAT32_ATOL,
     KERAS_VERSION,
+    GradientNormLogging,
     assert_close,
     assert_diff_below,
     float8_differences,
@@ -446,3 +447,23 @@ def test_float8_equals_the_big_batch(jit_compile):
     differences = float8_differences(reference, model)
     assert differences["state"] < FLOAT8_STATE_RTOL, differences
     assert differences["kernel"] < FLOAT8_KERNEL_RTOL, differences
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_gradient_norm_is_the_big_batch_s(jit_compile):
+    x, y = pairs(3 * 32 + MICRO)  # 3 groups of 4, then one of 1
+    logged = []
+    for model, batch_size in (
+        (dual_encoder(GradientNormLogging), 32),
+        (accumulating(4, gradient_norm=True), MICRO),
+    ):
+        norms = []
+        record = keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs, out=norms: out.append(logs["gradient_norm"])
+        )
+        train(
+            model, x, y, batch_size, compile_args={"jit_compile": jit_compile}, callbacks=[record]
+        )
+        logged.append(np.array(norms, dtype="float64"))
+    assert len(logged[0]) == len(logged[1]) == 8
+    np.testing.assert_allclose(logged[1], logged[0], rtol=1e-5)

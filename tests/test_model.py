@@ -401,9 +401,7 @@ def test_fit_calls_the_batch_callbacks_once_per_update(steps_per_execution):
     recorder = _WeightRecorder()
     batches = []
     seen = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: batches.append(b))
-    model.fit(
-        x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0, callbacks=[recorder, seen]
-    )
+    model.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0, callbacks=[recorder, seen])
     per_call = 4 * steps_per_execution
     assert recorder.iterations == {1: [1, 2, 3], 2: [2, 3]}[steps_per_execution]
     # Keras reports each call's last micro-batch (from 3.11 on; its first before).
@@ -1227,3 +1225,65 @@ def test_logged_token_loss_equals_the_big_batch_s():
         assert abs(got["accuracy"] - expected["accuracy"]) <= 1e-6
         if abs(got["loss"] - expected["loss"]) > 1e-6 * abs(expected["loss"]):
             raise LoggedLossDiffers(f"{got['loss']} != {expected['loss']}")
+
+
+GRADIENT_NORM_CASES = ["graph", "jit", "unknown_length", "mixed_float16", "global_clipnorm"]
+
+
+@pytest.mark.parametrize("case", GRADIENT_NORM_CASES)
+def test_gradient_norm_is_the_big_batch_s(case, request):
+    # Per update, `gradient_norm` is the global norm of the big batch's
+    # gradient (numpy, from a plain loop at the big batch with the same
+    # optimizer), unscaled under mixed_float16, before global_clipnorm
+    # clips it; 10 micro-batches an epoch: groups of 4, 4 and 2.
+    if case == "mixed_float16":
+        request.getfixturevalue("mixed_float16")
+    x, y = make_regression_data(10 * MICRO_BATCH)
+    norms = []
+
+    def record(grads, variables):
+        norms.append(np.sqrt(sum(float(np.sum(np.square(np.asarray(g)))) for g in grads)))
+        return grads
+
+    def make_optimizer():
+        if case == "global_clipnorm":
+            return keras.optimizers.Adam(0.01, global_clipnorm=0.05)
+        return OPTIMIZERS["adam"]()
+
+    reference, _ = train_big_batches(
+        build_dense, make_optimizer, x, y, 4 * MICRO_BATCH, epochs=2, clip=record
+    )
+    model = build_dense(GradientAccumulateModel, accum_steps=4, gradient_norm=True)
+    model.compile(make_optimizer(), "mse", jit_compile=case == "jit")
+    logs = _Logs()
+    if case == "unknown_length":
+        spec = (tf.TensorSpec((None, 5), "float32"), tf.TensorSpec((None, 1), "float32"))
+        batches = [
+            (x[i : i + MICRO_BATCH], y[i : i + MICRO_BATCH]) for i in range(0, len(x), MICRO_BATCH)
+        ]
+        data = tf.data.Dataset.from_generator(lambda: iter(batches), output_signature=spec)
+        history = model.fit(data, epochs=2, verbose=0, callbacks=[logs])
+    else:
+        history = model.fit(
+            x, y, batch_size=MICRO_BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[logs]
+        )
+    tolerance = 2e-3 if case == "mixed_float16" else 1e-5
+    atol = FLOAT16_ATOL if case == "mixed_float16" else FLOAT32_ATOL
+    assert_close(reference.get_weights(), model.get_weights(), atol)
+    logged = [entry["gradient_norm"] for entry in logs.batches]
+    if case == "unknown_length":
+        # The epoch's last group, cut short by the data, updates at the
+        # epoch's end, after the epoch's last batch hooks: those (and the
+        # History) show the update before it.
+        assert len(logged) == len(norms) == 6
+        expected = [norms[0], norms[1], norms[1], norms[3], norms[4], norms[4]]
+        np.testing.assert_allclose(logged, expected, rtol=tolerance)
+        np.testing.assert_allclose(history.history["gradient_norm"], expected[2::3], rtol=tolerance)
+    else:
+        assert len(logged) == len(norms) == 6
+        np.testing.assert_allclose(logged, norms, rtol=tolerance)
+        np.testing.assert_allclose(
+            history.history["gradient_norm"], [norms[2], norms[5]], rtol=tolerance
+        )
+    if case == "global_clipnorm":
+        assert min(norms) > 0.05  # every update clipped: the log is the norm before it

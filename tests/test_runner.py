@@ -280,3 +280,6 @@ def test_mirrored_every_accum_steps_equals_one_device(mirrored_results, case):
         # Keras's, whose fit sums the replicas' mean losses before 3.8.
         pytest.skip("Keras < 3.8: fit under a strategy sums the replicas' mean losses")
     assert_diff_below(result["diff"], FLOAT32_ATOL, result)
+    if case.startswith("model-"):
+        # The logged gradient_norm: the global big batch's gradient norm.
+        assert result["norm_rdiff"] < 1e-5, result

@@ -13,7 +13,9 @@ optimizer wrapper (plain Keras ``fit``): three whole groups of arrays.
 ``spectral_normalization``: a layer that writes its state in every training
 call (see the case). Prints one results line (see ``tests/scripts/__init__.py``), per case:
 ``diff`` (max |weight difference|), ``updates`` and ``reference_updates``,
-``moved`` (the reference's distance from the initial weights).
+``moved`` (the reference's distance from the initial weights); the model
+wrapper's cases also ``norm_rdiff``, the relative difference of the epoch's
+logged ``gradient_norm`` from the big batch's gradient norm of that update.
 """
 
 import sys
@@ -22,7 +24,13 @@ import keras
 import tensorflow as tf
 
 from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOptimizer
-from tests.helpers import OPTIMIZERS, build_dense, make_regression_data, max_abs_diff
+from tests.helpers import (
+    OPTIMIZERS,
+    GradientNormLogging,
+    build_dense,
+    make_regression_data,
+    max_abs_diff,
+)
 from tests.scripts import print_results, split_cpu, updates
 
 REPLICAS = 2
@@ -34,11 +42,16 @@ def _micro_batches(x, y):
         yield x[start : start + GLOBAL_MICRO_BATCH], y[start : start + GLOBAL_MICRO_BATCH]
 
 
-def _reference(x, y, accum_steps):
-    reference = build_dense()
+def _reference(x, y, accum_steps, norms=None):
+    """Plain Keras at the global big batch; each update's gradient norm appended to ``norms``."""
+    reference = build_dense(GradientNormLogging)
     reference.compile(OPTIMIZERS["adam"](), "mse")
     batch = GLOBAL_MICRO_BATCH * accum_steps
-    reference.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    norms = [] if norms is None else norms
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: norms.append(float(logs["gradient_norm"]))
+    )
+    reference.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[record])
     return reference
 
 
@@ -57,20 +70,29 @@ def model_case(accum_steps, data):
         if accum_steps == 1:
             samples = GLOBAL_MICRO_BATCH * 2 + 2
         x, y = make_regression_data(samples)
-        reference = _reference(x, y, accum_steps)
+        norms = []
+        reference = _reference(x, y, accum_steps, norms)
         steps_per_execution = 3 if data == "spe3" else 1
         with strategy.scope():
-            model = build_dense(GradientAccumulateModel, accum_steps=accum_steps)
+            model = build_dense(
+                GradientAccumulateModel, accum_steps=accum_steps, gradient_norm=True
+            )
             model.compile(OPTIMIZERS["adam"](), "mse", steps_per_execution=steps_per_execution)
         if data == "unknown_length":
             spec = (tf.TensorSpec((None, 5), "float32"), tf.TensorSpec((None, 1), "float32"))
             dataset = tf.data.Dataset.from_generator(
                 lambda: _micro_batches(x, y), output_signature=spec
             )
-            model.fit(dataset, epochs=1, verbose=0)
+            history = model.fit(dataset, epochs=1, verbose=0)
+            # The group cut short by the data updates after the epoch's logs.
+            expected = norms[-2]
         else:
-            model.fit(x, y, batch_size=GLOBAL_MICRO_BATCH, epochs=1, shuffle=False, verbose=0)
-        return _figures(reference, model)
+            history = model.fit(
+                x, y, batch_size=GLOBAL_MICRO_BATCH, epochs=1, shuffle=False, verbose=0
+            )
+            expected = norms[-1]
+        logged = history.history["gradient_norm"][-1]
+        return {**_figures(reference, model), "norm_rdiff": abs(logged - expected) / expected}
 
     return case
 
