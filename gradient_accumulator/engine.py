@@ -22,6 +22,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from gradient_accumulator import noise_scale
 from gradient_accumulator._compat import (
     KerasSaveable,
     in_xla_compilation,
@@ -465,10 +466,12 @@ class GradientAccumulator(tf.Module):
         gradient_transform=None,
         reduce_every_micro_step=False,
         track_gradient_norm=False,
+        noise_scale_decay=None,
         name="gradient_accumulator",
     ):
         super().__init__(name=name)
         self._track_gradient_norm = track_gradient_norm
+        self._noise_scale_decay = noise_scale_decay
         self.accum_steps = accum_steps
         self._gradient_transform = gradient_transform
         self._reduce_every_micro_step = reduce_every_micro_step
@@ -491,6 +494,16 @@ class GradientAccumulator(tf.Module):
             self.pending_weight = local(-1, (), "float32", "pending_weight", first)
             # The last update's mean gradient's norm (`track_gradient_norm`). Transient.
             self.gradient_norm = local(0, (), "float32", "gradient_norm", first)
+            if noise_scale_decay is not None:
+                # The noise scale (see noise_scale.py): the group's micro-batch
+                # summaries (summed over the replicas at the update), the
+                # moving averages of the estimates, and the last update's
+                # [noise scale, trace, signal]. Transient.
+                summed = tf.VariableAggregation.SUM
+                size = (noise_scale.SUMMARY_SIZE,)
+                self.noise_sums = local(0, size, "float32", "noise_sums", summed)
+                self.noise_averages = local(0, (2,), "float32", "noise_averages", first)
+                self.noise_logs = local(0, (3,), "float32", "noise_logs", first)
         # The normaliser classes (see `configure_classes`) after the first,
         # each with its divisor, its reference and its extra sums: none for
         # a loss of one class.
@@ -885,6 +898,10 @@ class GradientAccumulator(tf.Module):
         slots = self._slots()
         if present is None:
             present = getattr(self, "traced_slots", range(len(slots)))
+        if self._noise_scale_decay is not None:
+            # The group's summaries cross the replicas with the gradients;
+            # `_update` reads their sum (`_noise_sums_reduced`).
+            statistics = [*statistics, (self.noise_sums.read_value(), self._keep_noise_sums)]
         plan = _UpdatePlan(
             [slots[k] for k in present],
             self._weight_sums(),
@@ -908,8 +925,11 @@ class GradientAccumulator(tf.Module):
         mean_grads = [
             None if m is None else ops.cast(m, var.dtype) for var, m in zip(variables, means)
         ]
-        if self._track_gradient_norm:
-            self.gradient_norm.assign(self._mean_gradient_norm(mean_grads, optimizer))
+        if self._track_gradient_norm or self._noise_scale_decay is not None:
+            norm = self._mean_gradient_norm(mean_grads, optimizer)
+            self.gradient_norm.assign(norm)
+            if self._noise_scale_decay is not None:
+                self._update_noise_scale(ops.square(norm))
         if self._gradient_transform is not None:
             # Not applied to maxima, which are values to assign, not gradients.
             maxima = self._takes_maximum
@@ -924,6 +944,22 @@ class GradientAccumulator(tf.Module):
         # benchmarks page has the figures).
         with tf.control_dependencies([tf.convert_to_tensor(v) for v in variables]):
             self.reset(_has_loss_scale(optimizer))
+
+    def add_noise_summary(self, summary):
+        """Adds one micro-batch's summary (:func:`noise_scale.micro_batch_summary`)."""
+        return self.noise_sums.assign_add(summary, read_value=False)
+
+    def _keep_noise_sums(self, total):
+        self._noise_sums_reduced = total
+
+    def _update_noise_scale(self, big_squared_norm):
+        trace, signal, valid = noise_scale.estimates(self._noise_sums_reduced, big_squared_norm)
+        averages, ratio = noise_scale.smoothed(
+            self.noise_averages.read_value(), trace, signal, valid, self._noise_scale_decay
+        )
+        previous = self.noise_logs.read_value()
+        self.noise_averages.assign(averages)
+        self.noise_logs.assign(ops.where(valid, ops.stack([ratio, trace, signal]), previous))
 
     def _mean_gradient_norm(self, mean_grads, optimizer):
         """The global L2 norm of the mean gradient, divided by the loss scale if any.
@@ -959,6 +995,8 @@ class GradientAccumulator(tf.Module):
         """
         for total in self._weight_sums():
             total.assign(0.0)
+        if self._noise_scale_decay is not None:
+            self.noise_sums.assign(ops.zeros_like(self.noise_sums))
         self.micro_step.assign(0)
         sums = self._all_sums()
 

@@ -7,6 +7,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from gradient_accumulator import noise_scale as noise_scale_module
 from gradient_accumulator._compat import (
     build_compiled_metrics_outside_trace,
     builds_before_first_trace,
@@ -37,8 +38,10 @@ from gradient_accumulator.validation import (
     check_agc_arguments,
     check_bool,
     check_keyword_arguments,
+    check_unit_interval,
 )
 from gradient_accumulator.weighting import (
+    SUM,
     ClassPlan,
     MicroBatchLoss,
     class_gradients,
@@ -58,6 +61,8 @@ _WRAPPER_ARGUMENTS = (
     "average_batchnorm_statistics",
     "coupled_loss",
     "gradient_norm",
+    "noise_scale",
+    "noise_scale_smoothing",
 )
 
 # What `keras.Model` takes besides them: a functional model's `inputs`,
@@ -198,6 +203,18 @@ class GradientAccumulateModel(keras.Model):
             big batch's gradient norm. The epoch's value in ``History`` is
             its last update's. Costs one squared-norm reduction per update.
             Defaults to ``False``.
+        noise_scale: Boolean, log the gradient noise scale with each update
+            (``noise_scale``, and this update's estimates
+            ``noise_scale_trace`` of ``tr(Sigma)`` and ``noise_scale_signal``
+            of ``|G|^2``): McCandlish et al.'s ``B_simple``, the batch
+            beyond which a bigger batch buys little, from each micro-batch's
+            gradient and its group's (:mod:`gradient_accumulator.noise_scale`).
+            Needs two micro-batches or more per update (``accum_steps >= 2``
+            or several replicas), a loss of one normaliser, no regularizer.
+            Defaults to ``False``.
+        noise_scale_smoothing: Float in [0, 1), the weight the moving
+            averages of the two estimates keep at each update. Defaults to
+            ``0.95``.
         **kwargs: Passed to ``keras.Model``, usually ``inputs=`` and
             ``outputs=``.
 
@@ -224,6 +241,8 @@ class GradientAccumulateModel(keras.Model):
         average_batchnorm_statistics: bool = True,
         coupled_loss: str | None = None,
         gradient_norm: bool = False,
+        noise_scale: bool = False,
+        noise_scale_smoothing: float = 0.95,
         **kwargs,
     ):
         check_keyword_arguments(
@@ -242,6 +261,23 @@ class GradientAccumulateModel(keras.Model):
         self.use_agc, self.clip_factor, self.eps = check_agc_arguments(use_agc, clip_factor, eps)
         self.coupled_loss = check_coupled_loss(coupled_loss)
         self.gradient_norm = check_bool("gradient_norm", gradient_norm)
+        self.noise_scale = check_bool("noise_scale", noise_scale)
+        self.noise_scale_smoothing = check_unit_interval(
+            "noise_scale_smoothing", noise_scale_smoothing
+        )
+        if self.noise_scale_smoothing == 1.0:
+            raise ValueError(
+                "`noise_scale_smoothing` must be below 1: it is the weight an update's moving "
+                "averages keep of the previous ones, and at 1 they never move. Received: "
+                f"noise_scale_smoothing={noise_scale_smoothing!r}"
+            )
+        if self.noise_scale and self.coupled_loss is not None:
+            raise ValueError(
+                "`noise_scale=True` compares each micro-batch's own gradient with its "
+                "group's, and with `coupled_loss` a micro-batch has no gradient of its own "
+                "(its loss is the group's). Received: noise_scale=True, "
+                f"coupled_loss={self.coupled_loss!r}"
+            )
         super().__init__(*args, **kwargs)
         self._accumulator = None
         self._runner = GroupRunner(self)
@@ -263,6 +299,14 @@ class GradientAccumulateModel(keras.Model):
         check_optimizer_does_not_accumulate(
             self.optimizer, self.accum_steps, "GradientAccumulateModel"
         )
+        replicas = self.distribute_strategy.num_replicas_in_sync
+        if self.noise_scale and self.accum_steps == 1 and replicas == 1:
+            raise ValueError(
+                f"Model '{self.name}' has `noise_scale=True` and one micro-batch per update "
+                "on one replica: the noise scale compares a micro-batch's gradient with a "
+                "bigger batch's, and there is none. Use accum_steps >= 2 (or several "
+                "replicas). Received: accum_steps=1"
+            )
         if self.built:
             self._ensure_accumulator()
         # The losses may have changed: find their classes again at the next fit.
@@ -372,6 +416,8 @@ class GradientAccumulateModel(keras.Model):
         divisors = [divisor for _, divisor in weighted]
         class_grads = class_gradients(tape, objectives, accumulator.routing, variables)
         del tape
+        if self.noise_scale:
+            self._add_noise_summary(micro_loss, class_grads, divisors)
         loss = micro_loss.loss
         # `loss` is scaled by 1/replicas for the cross-replica sum; undo that.
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
@@ -397,15 +443,46 @@ class GradientAccumulateModel(keras.Model):
         build_compiled_metrics_outside_trace(self, y, y_pred)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         if place is None:
-            # The update, if any, ran above: its gradient norm.
-            logs = self._with_gradient_norm(logs)
+            # The update, if any, ran above: its figures.
+            logs = self._with_update_logs(logs)
         return logs_for_keras(logs, self.distribute_strategy)
 
-    def _with_gradient_norm(self, logs):
-        """``logs`` with ``gradient_norm`` (the last update's) if the model tracks it."""
-        if not self.gradient_norm:
-            return logs
-        return {**logs, "gradient_norm": self._accumulator.gradient_norm.read_value()}
+    def _with_update_logs(self, logs):
+        """``logs`` with the last update's ``gradient_norm`` and noise scale, where tracked."""
+        accumulator = self._accumulator
+        logs = dict(logs)
+        if self.gradient_norm:
+            logs["gradient_norm"] = accumulator.gradient_norm.read_value()
+        if self.noise_scale:
+            figures = accumulator.noise_logs.read_value()
+            logs["noise_scale"] = figures[0]
+            logs["noise_scale_trace"] = figures[1]
+            logs["noise_scale_signal"] = figures[2]
+        return logs
+
+    def _add_noise_summary(self, micro_loss, class_grads, divisors):
+        """Adds this micro-batch's gradient summary for the noise scale (``noise_scale=True``)."""
+        accumulator = self._accumulator
+        _, found = micro_loss.partition()
+        kinds = [kind for _, kind in (found.partition or [])] if found is not None else []
+        if accumulator.num_classes > 1 or SUM in kinds or micro_loss.additional_losses:
+            raise ValueError(
+                f"Model '{self.name}' has `noise_scale=True`, which needs each micro-batch's "
+                "gradient as a mean over its samples (or tokens): a loss of one normaliser, "
+                "not a sum (`reduction='sum'`), and no regularizer or `add_loss` term "
+                "(counted once per update, they are no micro-batch's). Received: "
+                f"{accumulator.num_classes} normaliser class(es), reductions {kinds}, "
+                f"{len(micro_loss.additional_losses)} additional loss term(s)"
+            )
+        weight = ops.cast(divisors[0], "float32")
+        scale = ops.cast(self.optimizer.scale_loss(tf.constant(1.0)), "float32")
+        # The training loss is the replica's share (divided by the replicas).
+        factor = weight * scale / tf.distribute.get_strategy().num_replicas_in_sync
+        size = weight * accumulator._group_references()[0].read_value()
+        squared = noise_scale_module.squared_norm(class_grads[0], accumulator._takes_maximum)
+        accumulator.add_noise_summary(
+            noise_scale_module.micro_batch_summary(squared, factor, size)
+        )
 
     def _update(self, condition):
         """The group's update, if ``condition`` (replica context).
@@ -745,6 +822,7 @@ class GradientAccumulateModel(keras.Model):
                 gradient_transform=self._clip_adaptively if self.use_agc else None,
                 reduce_every_micro_step=self.reduce_every_micro_step,
                 track_gradient_norm=self.gradient_norm,
+                noise_scale_decay=self.noise_scale_smoothing if self.noise_scale else None,
                 name="gradient_accumulator",
             )
         # A tf.Module: TF's checkpoint tracking picks it up, Keras's weight

@@ -311,7 +311,7 @@ class GroupRunner:
                     data = next(iterator)
                 _, logs = last(data, length - 1, length)
                 update()
-                return model._with_gradient_norm(logs)
+                return model._with_update_logs(logs)
 
             if not model.run_eagerly:
                 group = tf.function(group, reduce_retracing=True, autograph=False)
@@ -425,7 +425,7 @@ class GroupRunner:
                 )
                 with tf.control_dependencies([check_replayed(drift, model.name)]):
                     update()
-                return model._with_gradient_norm(logs)
+                return model._with_update_logs(logs)
 
             if not model.run_eagerly:
                 group = tf.function(group, reduce_retracing=True, autograph=False)

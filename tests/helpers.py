@@ -6,6 +6,7 @@ initial weights, separate layers), trains one with plain Keras at batch
 ``micro_batch`` on the same data in the same order, and compares weights.
 """
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
@@ -377,6 +378,61 @@ class GradientNormLogging(keras.Model):
         squares = [keras.ops.sum(keras.ops.square(g)) for g in grads]
         norm = keras.ops.sqrt(keras.ops.sum(keras.ops.stack(squares)))
         return {"loss": loss, "gradient_norm": norm}
+
+
+# The gradient noise scale's reference (tests/test_noise_scale.py): linear
+# regression at fixed weights, whose gradient noise is known in closed form.
+NOISE_DIM = 4
+NOISE_SIGMA = 0.5
+NOISE_TRUE_W = np.array([[1.0], [-0.5], [0.25], [2.0]], "float32")
+
+
+def noise_closed_form():
+    """``(tr(Sigma), |G|^2)`` of the regression's mean squared error at ``w = 0``."""
+    delta = -NOISE_TRUE_W[:, 0]
+    signal = 4.0 * float(delta @ delta)
+    trace = 4.0 * ((NOISE_DIM + 1) * float(delta @ delta) + NOISE_SIGMA**2 * NOISE_DIM)
+    return trace, signal
+
+
+class NoiseLogs(keras.callbacks.Callback):
+    """Every per-update log of ``fit``, as floats."""
+
+    def on_train_begin(self, logs=None):
+        self.batches = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches.append({key: float(value) for key, value in logs.items()})
+
+
+def noise_regression(accum_steps, micro_batch, updates, seed=0, strategy=None, **kwargs):
+    """``(model, logs)``: ``noise_scale=True`` on the regression, SGD(0), one epoch.
+
+    ``micro_batch`` is global (split over ``strategy``'s replicas).
+    """
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(updates * accum_steps * micro_batch, NOISE_DIM)).astype("float32")
+    y = (x @ NOISE_TRUE_W + NOISE_SIGMA * rng.normal(size=(len(x), 1))).astype("float32")
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        inputs = keras.Input((NOISE_DIM,))
+        dense = keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")
+        model = GradientAccumulateModel(
+            accum_steps=accum_steps,
+            noise_scale=True,
+            inputs=inputs,
+            outputs=dense(inputs),
+            **kwargs,
+        )
+        model.compile(keras.optimizers.SGD(0.0), "mse")
+    logs = NoiseLogs()
+    model.fit(x, y, batch_size=micro_batch, shuffle=False, verbose=0, callbacks=[logs])
+    return model, logs.batches
+
+
+def mean_and_error(values):
+    """The mean of ``values`` and its standard error."""
+    values = np.asarray(values, dtype="float64")
+    return float(values.mean()), float(values.std(ddof=1) / np.sqrt(len(values)))
 
 
 def train_big_batches(build, make_optimizer, x, y, batch_size, epochs=1, densify=False, clip=None):

@@ -27,6 +27,7 @@ TESTED_EXAMPLES = (
     "mobilenetv2_bn_swap.py",
     "multi_replica.py",
     "sequence_tagging.py",
+    "noise_scale.py",
 )
 
 
@@ -228,3 +229,14 @@ def test_mobilenetv2_bn_swap():
         "0 AccumBatchNormalization"
     ) in out
     assert value(r"of the reloaded plain model: (\S+)", out) <= 1e-6
+
+
+def test_noise_scale():
+    out = run_example("noise_scale.py")
+    rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)$", out, flags=re.MULTILINE)
+    assert [int(epoch) for epoch, _, _ in rows] == [1, 2, 3, 4], out
+    losses = [float(loss) for _, loss, _ in rows]
+    scales = [float(scale) for _, _, scale in rows]
+    assert losses == sorted(losses, reverse=True), out  # it trains
+    # The noise scale grows as training goes on (58 -> 109 over these epochs).
+    assert 0 < scales[0] < scales[-1], out

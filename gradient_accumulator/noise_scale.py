@@ -1,0 +1,101 @@
+"""The gradient noise scale, from the micro-batches' gradients and their group's.
+
+McCandlish et al. (2018, "An Empirical Model of Large-Batch Training") call
+``B_simple = tr(Sigma) / |G|^2`` the simple noise scale: ``G`` the true
+gradient, ``Sigma`` the covariance of one sample's gradient. A batch much
+smaller than it buys proportionally fewer steps as it grows; beyond it, a
+bigger batch buys little. A gradient averaged over ``b`` samples has
+``E|g_b|^2 = |G|^2 + tr(Sigma) / b``, so two batch sizes give two equations.
+Accumulation has both at every update: each micro-batch's gradient
+(``b_i`` samples, or tokens where the loss is a mean over tokens) and the
+group's mean gradient (``B = sum_i b_i``). With ``S_small`` the mean of the
+micro-batches' squared norms, ``1 / b`` the mean of their ``1 / b_i`` and
+``S_big`` the group's squared norm, the unbiased estimates are::
+
+    tr(Sigma) = (S_small - S_big) / (1 / b - 1 / B)
+    |G|^2     = (B * S_big - b * S_small) / (B - b)
+
+Each is noisy; as the paper does, their exponential moving averages over
+updates are divided (a ratio of averages, not an average of ratios). Under
+several replicas each replica's micro-batch is a small batch and ``B`` the
+global batch.
+"""
+
+import tensorflow as tf
+from keras import ops
+
+# A micro-batch's summary, summed over a group's micro-batches and replicas:
+# its gradient's squared norm, 1 (a count), 1 / b_i, b_i.
+SUMMARY_SIZE = 4
+
+
+def squared_norm(grads, skip=None):
+    """``sum(g ** 2)`` over ``grads`` (float32), ``None`` entries and ``skip`` ones left out.
+
+    A ``tf.IndexedSlices`` counts as its dense tensor: rows repeated in its
+    indices are summed first.
+    """
+    skip = skip or [False] * len(grads)
+    squares = []
+    for g, skipped in zip(grads, skip):
+        if g is None or skipped:
+            continue
+        if isinstance(g, tf.IndexedSlices):
+            rows, positions = tf.unique(g.indices)
+            g = tf.math.unsorted_segment_sum(g.values, positions, tf.size(rows))
+        squares.append(ops.sum(ops.square(ops.cast(g, "float32"))))
+    if not squares:
+        return ops.zeros((), "float32")
+    return ops.sum(ops.stack(squares))
+
+
+def micro_batch_summary(grads_squared_norm, factor, size):
+    """One micro-batch's summary: ``[|g_i|^2, 1, 1 / b_i, b_i]`` (float32).
+
+    Args:
+        grads_squared_norm: The squared norm of the gradients as computed
+            (of the weighted, scaled loss).
+        factor: What those gradients are multiplied by relative to the
+            micro-batch's own mean gradient ``g_i`` (its weight, the loss
+            scale, one over the replicas).
+        size: ``b_i``, the micro-batch's normaliser (samples, or tokens).
+    """
+    factor = ops.cast(factor, "float32")
+    size = ops.cast(size, "float32")
+    own = ops.divide_no_nan(grads_squared_norm, factor * factor)
+    return ops.stack([own, ops.ones(()), ops.divide_no_nan(1.0, size), size])
+
+
+def estimates(sums, big_squared_norm):
+    """``(trace, signal, valid)`` of one update from its summed summaries.
+
+    ``trace`` estimates ``tr(Sigma)``, ``signal`` ``|G|^2``; ``valid`` is
+    false where there is no estimate: the group's batch is not bigger than
+    its micro-batches (one micro-batch on one replica), or a gradient was not
+    finite (an overflowed loss scale, whose update is skipped).
+    """
+    count = sums[1]
+    small = ops.divide_no_nan(sums[0], count)
+    inverse_small = ops.divide_no_nan(sums[2], count)
+    big = sums[3]
+    inverse_big = ops.divide_no_nan(1.0, big)
+    gap = inverse_small - inverse_big
+    trace = ops.divide_no_nan(small - big_squared_norm, gap)
+    # (B * S_big - b * S_small) / (B - b), divided through by b * B.
+    signal = ops.divide_no_nan(inverse_small * big_squared_norm - inverse_big * small, gap)
+    # A loss-scaled gradient that overflowed (the update a LossScaleOptimizer
+    # skips) has no estimate either.
+    finite = ops.logical_and(ops.isfinite(trace), ops.isfinite(signal))
+    valid = ops.logical_and(ops.logical_and(count >= 2.0, gap > 1e-6 * inverse_small), finite)
+    return trace, signal, valid
+
+
+def smoothed(averages, trace, signal, valid, decay):
+    """The moving averages ``[trace, signal]`` after this update, and their ratio.
+
+    An update without an estimate (``valid`` false) leaves them.
+    """
+    current = ops.stack([trace, signal])
+    moved = decay * averages + (1.0 - decay) * current
+    averages = ops.where(valid, moved, averages)
+    return averages, ops.divide_no_nan(averages[0], averages[1])

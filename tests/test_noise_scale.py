@@ -1,0 +1,143 @@
+"""The gradient noise scale (``noise_scale=True``) against its closed form.
+
+Linear regression ``y = x . w* + e`` with ``x ~ N(0, I_d)`` and
+``e ~ N(0, sigma^2)``, trained with the mean squared error at fixed weights
+``w`` (SGD with learning rate 0): one sample's gradient is
+``2 x (x . d - e)`` with ``d = w - w*``, so ``G = 2 d`` and
+``tr(Sigma) = 4 ((d_dim + 1) |d|^2 + sigma^2 d_dim)`` exactly (Isserlis's
+theorem: ``E[|x|^2 (x . d)^2] = (d_dim + 2) |d|^2``). Each update's estimates
+are unbiased; their mean over many updates must land within its standard
+error of those values.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+from gradient_accumulator import GradientAccumulateModel
+from tests.helpers import (
+    NOISE_DIM,
+    NOISE_TRUE_W,
+    NoiseLogs,
+    build_dense,
+    make_regression_data,
+    mean_and_error,
+    noise_closed_form,
+    noise_regression,
+    run_script_module,
+    script_results,
+)
+
+
+@pytest.mark.parametrize(
+    "accum_steps, micro_batch, policy",
+    [(4, 8, "float32"), (16, 2, "float32"), (128, 1, "float32"), (4, 8, "mixed_float16")],
+    ids=["k4-b8", "k16-b2", "k128-b1", "k4-b8-mixed_float16"],
+)
+def test_estimates_are_the_closed_form_within_their_standard_error(
+    accum_steps, micro_batch, policy, request
+):
+    # Under mixed_float16 the micro-batches' gradients are loss-scaled
+    # float16 products: the estimates divide the scale out.
+    if policy == "mixed_float16":
+        request.getfixturevalue("mixed_float16")
+    updates = 400 if accum_steps < 128 else 50
+    _, logs = noise_regression(accum_steps, micro_batch, updates)
+    assert len(logs) == updates
+    trace, signal = noise_closed_form()
+    for key, truth in (("noise_scale_trace", trace), ("noise_scale_signal", signal)):
+        mean, error = mean_and_error([entry[key] for entry in logs])
+        # The test can fail: the standard error is a small part of the value.
+        assert error < 0.15 * truth, (key, mean, error, truth)
+        assert abs(mean - truth) < 4 * error, (key, mean, error, truth)
+
+
+def test_the_logged_noise_scale_is_the_ratio_of_the_moving_averages():
+    decay = 0.9
+    _, logs = noise_regression(4, 8, 50, noise_scale_smoothing=decay)
+    averages = np.zeros(2)
+    for entry in logs:
+        current = np.array([entry["noise_scale_trace"], entry["noise_scale_signal"]])
+        averages = decay * averages + (1 - decay) * current
+        np.testing.assert_allclose(entry["noise_scale"], averages[0] / averages[1], rtol=1e-4)
+    trace, signal = noise_closed_form()
+    # After 50 updates the ratio is near B_simple (the moving averages hold ~10).
+    assert 0.5 < logs[-1]["noise_scale"] / (trace / signal) < 2.0
+
+
+def test_a_group_of_one_micro_batch_keeps_the_previous_figures():
+    # 2 whole groups of 4 and a last group of 1 micro-batch: no estimate there.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8 * 9, NOISE_DIM)).astype("float32")
+    y = (x @ NOISE_TRUE_W).astype("float32")
+    model = build_dense(GradientAccumulateModel, accum_steps=4, noise_scale=True)
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    logs = NoiseLogs()
+    x5 = np.concatenate([x, np.zeros((len(x), 1), "float32")], axis=1)
+    model.fit(x5, y, batch_size=8, shuffle=False, verbose=0, callbacks=[logs])
+    assert len(logs.batches) == 3
+    assert logs.batches[2]["noise_scale_trace"] == logs.batches[1]["noise_scale_trace"]
+    assert np.isfinite(logs.batches[1]["noise_scale"])
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"accum_steps": 1}, "one micro-batch per update on one replica"),
+        ({"accum_steps": 4, "noise_scale_smoothing": 1.0}, "must be below 1"),
+        ({"accum_steps": 4, "noise_scale_smoothing": 1.5}, "must be a float in"),
+        ({"accum_steps": 4, "coupled_loss": "replica"}, "has no gradient of its own"),
+    ],
+    ids=["accum_steps_1", "smoothing_1", "smoothing_out_of_range", "coupled_loss"],
+)
+def test_what_has_no_noise_scale_is_refused(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        model = build_dense(GradientAccumulateModel, noise_scale=True, **arguments)
+        model.compile("sgd", "mse")
+
+
+def test_a_regularized_model_is_refused():
+    x, y = make_regression_data(64)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    outputs = keras.layers.Dense(1, kernel_regularizer="l2")(inputs)
+    model = GradientAccumulateModel(accum_steps=4, noise_scale=True, inputs=inputs, outputs=outputs)
+    model.compile("sgd", "mse")
+    with pytest.raises(ValueError, match="no regularizer"):
+        model.fit(x, y, batch_size=8, verbose=0)
+
+
+@pytest.mark.slow
+def test_two_replicas_estimate_the_closed_form():
+    # Each replica's micro-batch is a small batch; B is the global batch.
+    results = script_results(run_script_module("mirrored_noise_scale", [], timeout=900))
+    assert results["replicas"] == 2
+    for case in ("k4", "k1"):
+        assert results[case]["updates"] == 400
+        for key in ("trace", "signal"):
+            mean, error = results[case][key]
+            truth = results[key]
+            assert error < 0.15 * truth, (case, key, results)
+            assert abs(mean - truth) < 4 * error, (case, key, results)
+
+
+def test_the_arguments_are_saved(tmp_path):
+    # In the configuration, and through a .keras file (gradient_norm too).
+    model = build_dense(
+        GradientAccumulateModel,
+        accum_steps=4,
+        noise_scale=True,
+        noise_scale_smoothing=0.8,
+        gradient_norm=True,
+    )
+    model.compile("sgd", "mse")
+    x, y = make_regression_data(64)
+    model.fit(x, y, batch_size=8, verbose=0)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    for name, value in (("noise_scale", True), ("noise_scale_smoothing", 0.8)):
+        assert model.get_config()[name] == getattr(loaded, name) == value
+    assert loaded.gradient_norm is True
+    history = loaded.fit(x, y, batch_size=8, verbose=0)
+    assert {"noise_scale", "gradient_norm"} <= set(history.history)
