@@ -21,7 +21,8 @@ the work done whatever the overlap, and moves by a few percent.
 
 Run: ``python -m benchmarks.fit_time`` (``--models dense --modes jit`` for a
 part; ``--quick`` for CI: the dense model in graph mode, two rounds; figures
-meaningless).
+meaningless). ``--noise-scale`` adds the library with ``noise_scale=True`` to
+the same rounds and prints its time over the library's.
 """
 
 import time
@@ -66,14 +67,24 @@ FULL_CASES = [
 QUICK_CASES = [("dense", "graph", 2, 2)]
 
 
-def measure(kind, mode, rounds, groups):
+# With --noise-scale: the library with `noise_scale=True`, a fourth
+# configuration in the same rounds (its cost over the library's).
+NOISE_SCALE = "library_noise_scale"
+
+
+def measure(kind, mode, rounds, groups, noise_scale=False):
     """Times one epoch of each configuration per round; returns the case's record."""
     builder, shape = MODELS[kind]
     x, y = classification_data(groups * ACCUM_STEPS * MICRO_BATCH, shape)
+    jit_compile = mode == "jit"
     models = {
-        flavour: compiled(flavour, *builder(), ACCUM_STEPS, jit_compile=mode == "jit")
+        flavour: compiled(flavour, *builder(), ACCUM_STEPS, jit_compile=jit_compile)
         for flavour in FLAVOURS
     }
+    if noise_scale:
+        models[NOISE_SCALE] = compiled(
+            LIBRARY, *builder(), ACCUM_STEPS, jit_compile, model_kwargs={"noise_scale": True}
+        )
 
     def epoch(model):
         start, cpu = time.perf_counter(), time.process_time()
@@ -108,18 +119,26 @@ def measure(kind, mode, rounds, groups):
         record[f"{flavour}_cpu_over_plain"] = median_ratio(cpu[flavour], cpu[PLAIN])
     record["library_over_builtin"] = median_ratio(times[LIBRARY], times[KERAS_BUILTIN])
     record["library_cpu_over_builtin"] = median_ratio(cpu[LIBRARY], cpu[KERAS_BUILTIN])
+    if noise_scale:
+        record["noise_scale_over_library"] = median_ratio(times[NOISE_SCALE], times[LIBRARY])
+        record["noise_scale_cpu_over_library"] = median_ratio(cpu[NOISE_SCALE], cpu[LIBRARY])
     return record
 
 
 def main():
     p = parser(__doc__.splitlines()[0])
     add_parts(p, MODELS)
+    p.add_argument(
+        "--noise-scale",
+        action="store_true",
+        help="also time the library with noise_scale=True (its cost over the library's)",
+    )
     args = p.parse_args()
     models, modes = chosen_parts(p, args, MODELS)
     cases = QUICK_CASES if args.quick else [
         case for case in FULL_CASES if case[0] in models and case[1] in modes
     ]
-    records = [measure(*case) for case in cases]
+    records = [measure(*case, noise_scale=args.noise_scale) for case in cases]
     print_table(
         f"fit epoch time per micro-batch over plain fit (k={ACCUM_STEPS}, micro-batch "
         f"{MICRO_BATCH}, Adam; medians of per-round ratios)",
@@ -156,6 +175,22 @@ def main():
             for r in records
         ],
     )
+
+    if args.noise_scale:
+        print_table(
+            "noise_scale=True over the library without it, same epochs (medians of per-round "
+            "ratios; goal <= 1.03)",
+            ["model", "mode", "wall time", "CPU time"],
+            [
+                [
+                    r["model"],
+                    r["mode"],
+                    f"{r['noise_scale_over_library']:.3f}",
+                    f"{r['noise_scale_cpu_over_library']:.3f}",
+                ]
+                for r in records
+            ],
+        )
 
     def plot(ax):
         labels = [f"{r['model']}\n{r['mode']}" for r in records]
