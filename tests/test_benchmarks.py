@@ -371,3 +371,15 @@ def test_communication_counts_reductions_and_reports_the_builtin_crash(quick):
             "trains under MirroredStrategy; update the benchmarks page.",
             stacklevel=1,
         )
+
+
+def test_fit_time_times_noise_scale_beside_the_library(tmp_path):
+    stdout = run_python(
+        ["-m", "benchmarks.fit_time", "--quick", "--noise-scale", "--out", str(tmp_path)],
+        timeout=300,
+    )
+    assert "noise_scale=True over the library" in stdout
+    payload = load_outputs("fit_time", tmp_path)
+    for entry in payload["results"]:
+        assert entry["noise_scale_over_library"] > 0
+        assert entry["noise_scale_cpu_over_library"] > 0
