@@ -405,10 +405,21 @@ class NoiseLogs(keras.callbacks.Callback):
         self.batches.append({key: float(value) for key, value in logs.items()})
 
 
-def noise_regression(accum_steps, micro_batch, updates, seed=0, strategy=None, **kwargs):
+def noise_regression(
+    accum_steps,
+    micro_batch,
+    updates,
+    seed=0,
+    strategy=None,
+    jit_compile=False,
+    unknown_length=False,
+    **kwargs,
+):
     """``(model, logs)``: ``noise_scale=True`` on the regression, SGD(0), one epoch.
 
-    ``micro_batch`` is global (split over ``strategy``'s replicas).
+    ``micro_batch`` is global (split over ``strategy``'s replicas);
+    ``unknown_length``: the micro-batches from a generator (the runner's
+    micro-steps case).
     """
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(updates * accum_steps * micro_batch, NOISE_DIM)).astype("float32")
@@ -423,9 +434,20 @@ def noise_regression(accum_steps, micro_batch, updates, seed=0, strategy=None, *
             outputs=dense(inputs),
             **kwargs,
         )
-        model.compile(keras.optimizers.SGD(0.0), "mse")
+        model.compile(keras.optimizers.SGD(0.0), "mse", jit_compile=jit_compile)
     logs = NoiseLogs()
-    model.fit(x, y, batch_size=micro_batch, shuffle=False, verbose=0, callbacks=[logs])
+    if unknown_length:
+        spec = (
+            tf.TensorSpec((None, NOISE_DIM), "float32"),
+            tf.TensorSpec((None, 1), "float32"),
+        )
+        batches = [
+            (x[i : i + micro_batch], y[i : i + micro_batch]) for i in range(0, len(x), micro_batch)
+        ]
+        data = tf.data.Dataset.from_generator(lambda: iter(batches), output_signature=spec)
+        model.fit(data, verbose=0, callbacks=[logs])
+    else:
+        model.fit(x, y, batch_size=micro_batch, shuffle=False, verbose=0, callbacks=[logs])
     return model, logs.batches
 
 

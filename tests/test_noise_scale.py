@@ -31,8 +31,15 @@ from tests.helpers import (
 
 @pytest.mark.parametrize(
     "accum_steps, micro_batch, policy",
-    [(4, 8, "float32"), (16, 2, "float32"), (128, 1, "float32"), (4, 8, "mixed_float16")],
-    ids=["k4-b8", "k16-b2", "k128-b1", "k4-b8-mixed_float16"],
+    [
+        (4, 8, "float32"),
+        (16, 2, "float32"),
+        (128, 1, "float32"),
+        (4, 8, "mixed_float16"),
+        (4, 8, "jit"),
+        (4, 8, "unknown_length"),
+    ],
+    ids=["k4-b8", "k16-b2", "k128-b1", "k4-b8-mixed_float16", "k4-b8-jit", "k4-b8-unknown_length"],
 )
 def test_estimates_are_the_closed_form_within_their_standard_error(
     accum_steps, micro_batch, policy, request
@@ -42,7 +49,8 @@ def test_estimates_are_the_closed_form_within_their_standard_error(
     if policy == "mixed_float16":
         request.getfixturevalue("mixed_float16")
     updates = 400 if accum_steps < 128 else 50
-    _, logs = noise_regression(accum_steps, micro_batch, updates)
+    options = {"jit": {"jit_compile": True}, "unknown_length": {"unknown_length": True}}
+    _, logs = noise_regression(accum_steps, micro_batch, updates, **options.get(policy, {}))
     assert len(logs) == updates
     trace, signal = noise_closed_form()
     for key, truth in (("noise_scale_trace", trace), ("noise_scale_signal", signal)):
