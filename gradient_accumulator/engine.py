@@ -492,8 +492,9 @@ class GradientAccumulator(tf.Module):
             self.steps_to_boundary = local(-1, (), "int64", "steps_to_boundary", first)
             self.update_count = local(0, (), "int64", "update_count", first)
             self.pending_weight = local(-1, (), "float32", "pending_weight", first)
-            # The last update's mean gradient's norm (`track_gradient_norm`). Transient.
-            self.gradient_norm = local(0, (), "float32", "gradient_norm", first)
+            if track_gradient_norm:
+                # The last update's mean gradient's norm. Transient.
+                self.gradient_norm = local(0, (), "float32", "gradient_norm", first)
             if noise_scale_decay is not None:
                 # The noise scale (see noise_scale.py): the group's micro-batch
                 # summaries (summed over the replicas at the update), the
@@ -927,7 +928,8 @@ class GradientAccumulator(tf.Module):
         ]
         if self._track_gradient_norm or self._noise_scale_decay is not None:
             norm = self._mean_gradient_norm(mean_grads, optimizer)
-            self.gradient_norm.assign(norm)
+            if self._track_gradient_norm:
+                self.gradient_norm.assign(norm)
             if self._noise_scale_decay is not None:
                 self._update_noise_scale(ops.square(norm))
         if self._gradient_transform is not None:
@@ -966,15 +968,9 @@ class GradientAccumulator(tf.Module):
 
         Float8 scales and amax histories (maxima, not gradients) are left out.
         """
-        squares = [
-            ops.sum(ops.square(ops.cast(g, "float32")))
-            for g, maximum in zip(mean_grads, self._takes_maximum)
-            if g is not None and not maximum
-        ]
-        if not squares:
-            return ops.zeros((), "float32")
+        squared = noise_scale.squared_norm(mean_grads, self._takes_maximum)
         scale = ops.cast(optimizer.scale_loss(tf.constant(1.0)), "float32")
-        return ops.sqrt(ops.sum(ops.stack(squares))) / scale
+        return ops.sqrt(squared) / scale
 
     def reset(self, check_finite=False):
         """Empties the group (call in replica context).

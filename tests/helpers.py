@@ -365,15 +365,43 @@ def build_two_heads(cls=keras.Model, seed=0, pooled_head=False, regularizer=None
     return cls(inputs=inputs, outputs=[tags, second], **kwargs)
 
 
+class BatchLogs(keras.callbacks.Callback):
+    """Every per-update (per-batch) log of ``fit``, as floats, in ``batches``."""
+
+    def on_train_begin(self, logs=None):
+        self.batches = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches.append({key: float(value) for key, value in logs.items()})
+
+
+def unknown_length_dataset(x, y, micro_batch):
+    """``(x, y)`` in micro-batches from a generator: data whose length TensorFlow does not know."""
+    spec = (
+        tf.TensorSpec((None, *x.shape[1:]), x.dtype),
+        tf.TensorSpec((None, *y.shape[1:]), y.dtype),
+    )
+    batches = [
+        (x[i : i + micro_batch], y[i : i + micro_batch]) for i in range(0, len(x), micro_batch)
+    ]
+    return tf.data.Dataset.from_generator(lambda: iter(batches), output_signature=spec)
+
+
 class GradientNormLogging(keras.Model):
-    """Plain Keras's train step, logging its gradient's global norm: the big batch's reference."""
+    """Plain Keras's train step, logging its gradient's global norm: the big batch's reference.
+
+    Subclasses change the gradients the optimizer receives in :meth:`gradients`.
+    """
+
+    def gradients(self, grads):
+        return grads
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
             loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
-        grads = tape.gradient(loss, self.trainable_variables)
+        grads = self.gradients(tape.gradient(loss, self.trainable_variables))
         self.optimizer.apply(grads, self.trainable_variables)
         squares = [keras.ops.sum(keras.ops.square(g)) for g in grads]
         norm = keras.ops.sqrt(keras.ops.sum(keras.ops.stack(squares)))
@@ -393,16 +421,6 @@ def noise_closed_form():
     signal = 4.0 * float(delta @ delta)
     trace = 4.0 * ((NOISE_DIM + 1) * float(delta @ delta) + NOISE_SIGMA**2 * NOISE_DIM)
     return trace, signal
-
-
-class NoiseLogs(keras.callbacks.Callback):
-    """Every per-update log of ``fit``, as floats."""
-
-    def on_train_begin(self, logs=None):
-        self.batches = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.batches.append({key: float(value) for key, value in logs.items()})
 
 
 def noise_regression(
@@ -435,17 +453,9 @@ def noise_regression(
             **kwargs,
         )
         model.compile(keras.optimizers.SGD(0.0), "mse", jit_compile=jit_compile)
-    logs = NoiseLogs()
+    logs = BatchLogs()
     if unknown_length:
-        spec = (
-            tf.TensorSpec((None, NOISE_DIM), "float32"),
-            tf.TensorSpec((None, 1), "float32"),
-        )
-        batches = [
-            (x[i : i + micro_batch], y[i : i + micro_batch]) for i in range(0, len(x), micro_batch)
-        ]
-        data = tf.data.Dataset.from_generator(lambda: iter(batches), output_signature=spec)
-        model.fit(data, verbose=0, callbacks=[logs])
+        model.fit(unknown_length_dataset(x, y, micro_batch), verbose=0, callbacks=[logs])
     else:
         model.fit(x, y, batch_size=micro_batch, shuffle=False, verbose=0, callbacks=[logs])
     return model, logs.batches

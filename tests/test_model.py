@@ -12,6 +12,8 @@ from tests.helpers import (
     MICRO_BATCH,
     OPTIMIZERS,
     ROOT,
+    BatchLogs,
+    GradientNormLogging,
     assert_close,
     build_classifier,
     build_dense,
@@ -28,6 +30,7 @@ from tests.helpers import (
     numpy_agc,
     train_big_batches,
     train_pair,
+    unknown_length_dataset,
 )
 
 # The optimizers of the equivalence table here (of tests.helpers.OPTIMIZERS).
@@ -265,17 +268,11 @@ def test_keras_sparse_step_differs_from_the_dense_step(optimizer):
     _assert_documented_figure(optimizer, np.abs(updated[False] - updated[True]).max() / dense_step)
 
 
-class DensifyingModel(keras.Model):
+class DensifyingModel(GradientNormLogging):
     """Keras's own train step with every gradient densified: the defined update."""
 
-    def train_step(self, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
-        grads = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply([tf.convert_to_tensor(g) for g in grads], self.trainable_variables)
-        return {"loss": loss}
+    def gradients(self, grads):
+        return [tf.convert_to_tensor(g) for g in grads]
 
 
 def test_masked_embedding_tagger_with_adam_equals_the_densified_big_batch():
@@ -1144,19 +1141,9 @@ def test_batchnorm_with_other_accum_steps_is_refused_at_construction():
         GradientAccumulateModel(accum_steps=4, inputs=inputs, outputs=keras.layers.Dense(1)(hidden))
 
 
-class _Logs(keras.callbacks.Callback):
-    """Every per-update (per-batch) log of ``fit``, as floats."""
-
-    def on_train_begin(self, logs=None):
-        self.batches = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.batches.append({key: float(value) for key, value in logs.items()})
-
-
 def _logged(model, x, y, batch_size, sample_weight=None, loss="mse", metrics=("mae",), **compiled):
     model.compile(OPTIMIZERS["adam"](), loss, metrics=list(metrics), **compiled)
-    logs = _Logs()
+    logs = BatchLogs()
     history = model.fit(
         x,
         y,
@@ -1215,7 +1202,7 @@ def test_logged_token_loss_equals_the_big_batch_s():
     ):
         # SGD: its sparse update of the Embedding is the dense one (Adam's is not).
         model.compile(keras.optimizers.SGD(0.1), loss, metrics=["accuracy"])
-        logs = _Logs()
+        logs = BatchLogs()
         model.fit(x, tags, batch_size=batch_size, shuffle=False, verbose=0, callbacks=[logs])
         runs.append((logs.batches, model.get_weights()))
     (expected_logs, reference), (logged, weights) = runs
@@ -1255,13 +1242,9 @@ def test_gradient_norm_is_the_big_batch_s(case, request):
     )
     model = build_dense(GradientAccumulateModel, accum_steps=4, gradient_norm=True)
     model.compile(make_optimizer(), "mse", jit_compile=case == "jit")
-    logs = _Logs()
+    logs = BatchLogs()
     if case == "unknown_length":
-        spec = (tf.TensorSpec((None, 5), "float32"), tf.TensorSpec((None, 1), "float32"))
-        batches = [
-            (x[i : i + MICRO_BATCH], y[i : i + MICRO_BATCH]) for i in range(0, len(x), MICRO_BATCH)
-        ]
-        data = tf.data.Dataset.from_generator(lambda: iter(batches), output_signature=spec)
+        data = unknown_length_dataset(x, y, MICRO_BATCH)
         history = model.fit(data, epochs=2, verbose=0, callbacks=[logs])
     else:
         history = model.fit(

@@ -18,7 +18,7 @@ from gradient_accumulator import GradientAccumulateModel
 from tests.helpers import (
     NOISE_DIM,
     NOISE_TRUE_W,
-    NoiseLogs,
+    BatchLogs,
     build_dense,
     make_regression_data,
     mean_and_error,
@@ -80,7 +80,7 @@ def test_a_group_of_one_micro_batch_keeps_the_previous_figures():
     y = (x @ NOISE_TRUE_W).astype("float32")
     model = build_dense(GradientAccumulateModel, accum_steps=4, noise_scale=True)
     model.compile(keras.optimizers.SGD(0.01), "mse")
-    logs = NoiseLogs()
+    logs = BatchLogs()
     x5 = np.concatenate([x, np.zeros((len(x), 1), "float32")], axis=1)
     model.fit(x5, y, batch_size=8, shuffle=False, verbose=0, callbacks=[logs])
     assert len(logs.batches) == 3
