@@ -257,6 +257,20 @@ def loss_tracker(model):
     return model._loss_tracker
 
 
+def output_loss_trackers(model):
+    """The ``Mean`` metrics behind each output's logged loss (``<name>_loss``), or ``[]``.
+
+    Keras >= 3.9 (approximately) logs each output's loss apart when a model has
+    several; the trackers live in its private ``CompileLoss``, in the order of
+    its flat losses, and exist once it is built. Older Keras logs none.
+    """
+    compile_loss = getattr(model, "_compile_loss", None)
+    if compile_loss is None or not getattr(compile_loss, "built", False):
+        return []
+    metrics = getattr(compile_loss, "metrics", None)
+    return list(metrics) if isinstance(metrics, (list, tuple)) else []
+
+
 def creation_strategy(model):
     """The ``tf.distribute`` strategy ``model`` was created under, or ``None``.
 

@@ -147,7 +147,7 @@ class MicroStep:
         self.group_length = group_length
 
 
-def _replica_local(value, shape, dtype, name, aggregation):
+def replica_local(value, shape, dtype, name, aggregation):
     # A TensorFlow variable: `keras.Variable` takes `synchronization`
     # only from Keras 3.10 (and exposes its TensorFlow variable, whose
     # in-place ops the engine needs, as `.value`).
@@ -481,7 +481,7 @@ class GradientAccumulator(tf.Module):
         self._takes_maximum = tuple(takes_maximum(v) for v in variables)
 
         first = tf.VariableAggregation.ONLY_FIRST_REPLICA
-        local = _replica_local
+        local = replica_local
         with tf.name_scope(name):
             self.gradient_sums = [
                 local(0, v.shape, "float32", _sum_name(v), _sum_aggregation(v)) for v in variables
@@ -570,11 +570,11 @@ class GradientAccumulator(tf.Module):
         first = tf.VariableAggregation.ONLY_FIRST_REPLICA
         with tf.name_scope(self.name):
             weight_sums = [
-                _replica_local(0, (), "float32", f"weight_sum_class_{c}", sum_)
+                replica_local(0, (), "float32", f"weight_sum_class_{c}", sum_)
                 for c in range(1, layout_classes)
             ]
             references = [
-                _replica_local(1, (), "float32", f"group_reference_class_{c}", first)
+                replica_local(1, (), "float32", f"group_reference_class_{c}", first)
                 for c in range(1, layout_classes)
             ]
             extra, slots = [], []
@@ -586,7 +586,7 @@ class GradientAccumulator(tf.Module):
                         continue
                     name = _sum_name(variable).replace("_accumulator", f"_class_{c}_accumulator")
                     aggregation = _sum_aggregation(variable)
-                    acc = _replica_local(0, variable.shape, "float32", name, aggregation)
+                    acc = replica_local(0, variable.shape, "float32", name, aggregation)
                     extra.append(acc)
                     entries.append((c, acc))
                 slots.append(entries)

@@ -17,6 +17,7 @@ from gradient_accumulator._compat import (
     functional_from_config,
     functional_from_config_keeps_arguments,
     loss_tracker,
+    output_loss_trackers,
     recorded_loss_reductions,
     sublayers,
 )
@@ -30,6 +31,7 @@ from gradient_accumulator.coupled import (
 )
 from gradient_accumulator.distribute import logs_for_keras
 from gradient_accumulator.engine import GradientAccumulator, StateEntry, update_step_scope
+from gradient_accumulator.group_loss import GroupLoss, tracker_state
 from gradient_accumulator.optimizer import check_optimizer_does_not_accumulate
 from gradient_accumulator.runner import GroupRunner
 from gradient_accumulator.state_writes import StateWrites
@@ -280,6 +282,7 @@ class GradientAccumulateModel(keras.Model):
             )
         super().__init__(*args, **kwargs)
         self._accumulator = None
+        self._group_loss = None
         self._runner = GroupRunner(self)
         self._coupled_group = CoupledGroup(self)
         # The accumulation state's entry in weights files, apart from the
@@ -403,6 +406,8 @@ class GradientAccumulateModel(keras.Model):
         # each class's share of the loss is weighted on its own and has its
         # own gradient, so a persistent tape where there are several.
         plan = self._class_plan()
+        # The outputs' loss trackers before the forward pass updates them.
+        before = [tracker_state(t) for t in output_loss_trackers(self)]
         with (
             update_step_scope(is_update_step),
             tf.GradientTape(persistent=accumulator.num_classes > 1) as tape,
@@ -411,9 +416,9 @@ class GradientAccumulateModel(keras.Model):
             weighted = weigh_classes(micro_loss, plan, accumulator, micro, tape, self.name)
             objectives = [
                 None if objective is None else self.optimizer.scale_loss(objective)
-                for objective, _ in weighted
+                for objective, _, _ in weighted
             ]
-        divisors = [divisor for _, divisor in weighted]
+        divisors = [divisor for _, divisor, _ in weighted]
         class_grads = class_gradients(tape, objectives, accumulator.routing, variables)
         del tape
         if self.noise_scale:
@@ -421,7 +426,23 @@ class GradientAccumulateModel(keras.Model):
         loss = micro_loss.loss
         # `loss` is scaled by 1/replicas for the cross-replica sum; undo that.
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        loss_tracker(self).update_state(loss * replicas, sample_weight=micro_loss.batch_size)
+        if self._group_loss is None:
+            loss_tracker(self).update_state(loss * replicas, sample_weight=micro_loss.batch_size)
+        else:
+            # The group's last micro-step logs the group's loss (group_loss.py).
+            # Under XLA one program runs every micro-step of a group (the
+            # update is another): where it ends is read at run time.
+            ends_group = is_update_step
+            if place is not None:
+                ends_group = ops.equal(place.index, place.length - 1)
+            self._group_loss.add(
+                loss_tracker(self),
+                weighted,
+                loss * replicas,
+                micro_loss.batch_size,
+                self._output_losses(micro_loss, before),
+                ends_group,
+            )
         # Every state change waits for the batch (see above): the counters'
         # increments depend on nothing else, and TensorFlow may run them in a
         # step whose batch never arrives.
@@ -480,9 +501,38 @@ class GradientAccumulateModel(keras.Model):
         factor = weight * scale / tf.distribute.get_strategy().num_replicas_in_sync
         size = weight * accumulator._group_references()[0].read_value()
         squared = noise_scale_module.squared_norm(class_grads[0], accumulator._takes_maximum)
-        accumulator.add_noise_summary(
-            noise_scale_module.micro_batch_summary(squared, factor, size)
-        )
+        accumulator.add_noise_summary(noise_scale_module.micro_batch_summary(squared, factor, size))
+
+    def _output_losses(self, micro_loss, before):
+        """Per output whose loss Keras logs apart, ``(tracker, loss, normaliser)``.
+
+        The loss is what Keras's forward pass added to the output's tracker
+        (``before``: the trackers' ``[total, count]`` before it), in the
+        tracker's units; the normaliser is its recorded reduction's, one
+        per output where the loss is Keras's own (``compute_loss`` not
+        overridden, one Keras loss per output). ``None`` otherwise (those
+        logs stay the micro-batches').
+        """
+        trackers = output_loss_trackers(self)
+        if not trackers or len(trackers) != len(micro_loss.records) or len(before) != len(trackers):
+            return None
+        if type(self).compute_loss is not keras.Model.compute_loss:
+            return None
+        terms, _ = micro_loss.partition()
+        if None in terms:
+            return None
+        outputs = []
+        for tracker, (total, count), term in zip(trackers, before, terms):
+            now_total, now_count = tracker_state(tracker)
+            loss = tf.math.divide_no_nan(now_total - total, now_count - count)
+            outputs.append((tracker, loss, term.normaliser))
+        return outputs
+
+    def _end_cut_group(self, condition):
+        """A group cut short (replica context): its loss logged and its update, if ``condition``."""
+        if self._group_loss is not None:
+            self._group_loss.end(loss_tracker(self), condition)
+        self._update(condition)
 
     def _update(self, condition):
         """The group's update, if ``condition`` (replica context).
@@ -654,6 +704,7 @@ class GradientAccumulateModel(keras.Model):
         if not force and self.train_function is not None:
             self._check_trainable_variables_unchanged()
         self._ensure_accumulator()
+        self._size_group_loss()
         if self.optimizer is not None and not self.optimizer.built:
             # Keras < 3.5 builds the optimizer in the first train step, where
             # the update runs in a conditional, which cannot create variables.
@@ -664,6 +715,26 @@ class GradientAccumulateModel(keras.Model):
             self._runner.reset()
             self.train_function = self._runner.train_function
         return self.train_function
+
+    def reset_metrics(self):
+        super().reset_metrics()
+        if self._group_loss is not None:
+            self._group_loss.forget_base()
+
+    def _size_group_loss(self):
+        """A :class:`GroupLoss` for the loss's classes and the outputs' trackers (eagerly).
+
+        Both are known only once the classes are found (or restored) and
+        Keras's loss is built: before each train function.
+        """
+        group_loss = self._group_loss
+        if group_loss is None:
+            return
+        classes = self._accumulator.num_classes
+        outputs = len(output_loss_trackers(self))
+        if (group_loss.num_classes, group_loss.num_outputs) != (classes, outputs):
+            with self.distribute_strategy.scope():
+                self._group_loss = GroupLoss(classes, outputs)
 
     def apply_accumulated_gradients(self):
         """Applies a non-empty, unfinished group now; otherwise does nothing.
@@ -825,9 +896,14 @@ class GradientAccumulateModel(keras.Model):
                 noise_scale_decay=self.noise_scale_smoothing if self.noise_scale else None,
                 name="gradient_accumulator",
             )
+            # Not tracked: a plain object (the group's loss sums are transient).
+            group_loss = None
+            if self.accum_steps > 1 and self.coupled_loss is None:
+                group_loss = GroupLoss(1)
         # A tf.Module: TF's checkpoint tracking picks it up, Keras's weight
         # tracking does not, so the sums are saved but are not model weights.
         self._accumulator = accumulator
+        self._group_loss = group_loss
         self._state_writes = StateWrites(self)
         self._runner.reset()
         self._classes_discovered = False

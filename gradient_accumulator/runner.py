@@ -619,7 +619,7 @@ class GroupRunner:
             def pending_in_replica():
                 # No last micro-step moved the statistics: they move here.
                 model._apply_statistics(None)
-                model._update(ops.greater(model._accumulator.micro_step, 0))
+                model._end_cut_group(ops.greater(model._accumulator.micro_step, 0))
 
             @tf.function(autograph=False)
             def pending():

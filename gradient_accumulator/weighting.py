@@ -135,18 +135,27 @@ class MicroBatchLoss:
         return len(self.additional_losses) > self.weight_only_losses
 
     def partition(self):
-        """``(terms, ClassPlan without routing)``: see :func:`normaliser_partition`."""
-        return normaliser_partition(self.records, self.batch_size, self.data_extras)
+        """``(terms, ClassPlan without routing)``: see :func:`normaliser_partition`.
+
+        Computed once (its tensors belong to the trace that recorded the loss).
+        """
+        if not hasattr(self, "_partition"):
+            self._partition = normaliser_partition(self.records, self.batch_size, self.data_extras)
+        return self._partition
 
 
 def weigh_classes(micro_loss, plan, accumulator, micro, tape, owner):
-    """Per normaliser class of ``accumulator``: ``(objective, divisor)`` of this micro-step.
+    """Per normaliser class: ``(objective, divisor, log scale)`` of this micro-step.
 
     Class ``c``'s objective is its part of the loss (:func:`class_data_objectives`)
     times its share ``N_ci / (C_c1 * K)``, or times 1 for a sum; its divisor
     is that share (a sum: 1 once per group, and its weight regularizers
     counted once per group, as the big batch counts them). One class is the
-    one-entry case: its objective is the weighted loss.
+    one-entry case: its objective is the weighted loss. The log scale is what
+    the class's ``objective / divisor`` is multiplied by to be in the training
+    loss's units (a sum's objective is the replica's own sum, which the
+    training loss of Keras < 3.8 divides by the replicas here), for
+    :class:`~gradient_accumulator.group_loss.GroupLoss`.
 
     A trace whose classes are not ``plan``'s (a loss with ``reduction=None``;
     terms of different normalisers that no class discovery separated) is
@@ -177,14 +186,14 @@ def weigh_classes(micro_loss, plan, accumulator, micro, tape, owner):
                 # The weight regularizers once per group, as the big batch counts them.
                 extra = _additional_total(micro_loss.additional_losses, loss.dtype)
                 summed = _sum_scale() * (objective - extra) + ops.cast(first, loss.dtype) * extra
-            weighted.append((summed, first))
+            weighted.append((summed, first, 1.0 / _sum_scale()))
             continue
         term = None if kind == SAMPLES else terms[positions[0]]
         normaliser, capacity = _normaliser_and_capacity(term, micro_loss.batch_size)
         weight = accumulator.share(normaliser, capacity, micro, normaliser_class=c)
-        weighted.append((objective * ops.cast(weight, objective.dtype), weight))
+        weighted.append((objective * ops.cast(weight, objective.dtype), weight, 1.0))
     missing = accumulator.num_classes - len(weighted)
-    return weighted + [(None, ops.zeros(()))] * missing
+    return weighted + [(None, ops.zeros(()), 1.0)] * missing
 
 
 def _one_sum_rule(terms, micro_loss, owner):

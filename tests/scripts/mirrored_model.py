@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from gradient_accumulator import AccumBatchNormalization, GradientAccumulateModel
+from gradient_accumulator._compat import keras_version
 from tests.helpers import (
     CLIPPING_OPTIMIZERS,
     DISTRIBUTED_OPTIMIZERS,
@@ -81,6 +82,65 @@ def compare(reference, model, build, reference_optimizer=None):
     }
 
 
+class ReplicaGroupLosses(keras.callbacks.Callback):
+    """The losses the accumulating model must log per epoch under the strategy, from the reference.
+
+    Per replica, its group is its own big batch, as each replica's batch is
+    in plain Keras's logs: its rows of the group's micro-batches (the first
+    half of each global micro-batch, or the second) as one batch, its losses
+    computed by ``losses_of(model, rows)`` (a dict: ``loss`` and each
+    output's) with the reference's weights at that group's big batch (the
+    model's, as the cases show), averaged over the epoch's samples. Keras
+    before 3.4 (or so) keeps its metrics in mirrored variables, which hold
+    the first replica's values: its logs are the first replica's.
+    """
+
+    def __init__(self, losses_of, num_samples, strategy):
+        super().__init__()
+        self.losses_of = losses_of
+        self.num_samples = num_samples
+        self.epochs = []
+        with strategy.scope():
+            probe = keras.metrics.Mean()
+        per_replica = probe.total.value.synchronization == tf.VariableSynchronization.ON_READ
+        self.replicas = range(REPLICAS) if per_replica else range(1)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.totals, self.count = {}, 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        start = batch * BIG_BATCH
+        stop = min(start + BIG_BATCH, self.num_samples)
+        for replica in self.replicas:
+            rows = []
+            for first in range(start, stop, GLOBAL_MICRO_BATCH):
+                share = min(GLOBAL_MICRO_BATCH, stop - first) // REPLICAS
+                rows += range(first + replica * share, first + (replica + 1) * share)
+            for key, value in self.losses_of(self.model, np.array(rows)).items():
+                self.totals[key] = self.totals.get(key, 0.0) + float(value) * len(rows)
+            self.count += len(rows)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append({key: total / self.count for key, total in self.totals.items()})
+
+
+def batch_losses(model, x, y, sample_weight=None):
+    """The losses plain Keras logs for ``(x, y)`` as one batch (one device): ``evaluate``'s."""
+    return model.evaluate(
+        x, y, sample_weight=sample_weight, batch_size=len(x), verbose=0, return_dict=True
+    )
+
+
+def logged_difference(expected, history):
+    """Max relative difference of ``history``'s losses from ``ReplicaGroupLosses``'s."""
+    return max(
+        abs(history[key][epoch] - value) / abs(value)
+        for epoch, losses in enumerate(expected.epochs)
+        for key, value in losses.items()
+        if key in history
+    )
+
+
 def distributed(strategy, build, make_optimizer, compile_kwargs=None, seed=0, **model_kwargs):
     """The accumulating model, created and compiled in the strategy's scope."""
     with strategy.scope():
@@ -98,16 +158,22 @@ def fit_pair(
     model_kwargs=None,
     compile_kwargs=None,
     fit_kwargs=None,
+    reference_logs=None,
 ):
-    """Plain Keras on one device at the big batch, and the model under the strategy."""
+    """Plain Keras on one device at the big batch, and the model under the strategy.
+
+    ``reference_logs``: a :class:`ReplicaGroupLosses` for the reference's
+    ``fit``; the model's ``History`` is left in ``model.history_logged``.
+    """
     x, y = data
     compile_kwargs = {"loss": "mse", **(compile_kwargs or {})}
     fit_kwargs = {"epochs": epochs, "shuffle": False, "verbose": 0, **(fit_kwargs or {})}
     reference = build(keras.Model)
     reference.compile(optimizer=make_optimizer(), **compile_kwargs)
-    reference.fit(x, y, batch_size=BIG_BATCH, **fit_kwargs)
+    callbacks = [] if reference_logs is None else [reference_logs]
+    reference.fit(x, y, batch_size=BIG_BATCH, callbacks=callbacks, **fit_kwargs)
     model = distributed(strategy, build, make_optimizer, compile_kwargs, **(model_kwargs or {}))
-    model.fit(x, y, batch_size=GLOBAL_MICRO_BATCH, **fit_kwargs)
+    model.history_logged = model.fit(x, y, batch_size=GLOBAL_MICRO_BATCH, **fit_kwargs).history
     return reference, model
 
 
@@ -201,6 +267,15 @@ def token_case(reduction):
         update sums repeated rows as the dense sum does)."""
         x, tags, weights = make_padded_sequences(76, shard_size=MICRO_BATCH)
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+        # Keras >= 3.8 logs a sum times the replicas (its tracker "unscales"
+        # every loss, and only means were scaled).
+        logged_sum = REPLICAS if keras_version() >= (3, 8) else 1
+
+        def losses_of(model, rows):
+            losses = batch_losses(model, x[rows], tags[rows], weights[rows])
+            return {"loss": losses["loss"] * (logged_sum if reduction == "sum" else 1)}
+
+        expected = ReplicaGroupLosses(losses_of, len(x), strategy)
         reference, model = fit_pair(
             strategy,
             lambda: keras.optimizers.SGD(0.5 if reduction != "sum" else 0.005),
@@ -208,8 +283,10 @@ def token_case(reduction):
             build=build_tagger,
             compile_kwargs={"loss": loss},
             fit_kwargs={"sample_weight": weights},
+            reference_logs=expected,
         )
-        return compare(reference, model, build_tagger)
+        logged = logged_difference(expected, model.history_logged)
+        return {**compare(reference, model, build_tagger), "logged_diff": logged}
 
     return case
 
@@ -226,14 +303,24 @@ def two_normalisers(strategy, workdir):
         return build_two_heads(cls, pooled_head=True, **kwargs)
 
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def losses_of(model, rows):
+        return batch_losses(model, x[rows], [tags[rows], scores[rows]])
+
+    expected = ReplicaGroupLosses(losses_of, len(x), strategy)
     reference, model = fit_pair(
         strategy,
         lambda: keras.optimizers.SGD(0.5),
         (x, [tags, scores]),
         build=build,
         compile_kwargs={"loss": [loss, "mse"], "loss_weights": [1.0, 0.3]},
+        reference_logs=expected,
     )
-    return {**compare(reference, model, build), "classes": model._accumulator.num_classes}
+    return {
+        **compare(reference, model, build),
+        "classes": model._accumulator.num_classes,
+        "logged_diff": logged_difference(expected, model.history_logged),
+    }
 
 
 def last_group_case(num_samples):
