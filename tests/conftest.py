@@ -12,6 +12,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # the memory tests read. On for every test (and the processes they start), so
 # that the suite measures the same on every machine.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+# Under pytest-xdist (``-n N``), each worker's TensorFlow gets its share of the
+# cores (and so do the processes its tests start, which inherit these), not
+# all of them each: N workers on N cores, not N times the threads.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("TF_NUM_INTRAOP_THREADS", str(_share))
+    os.environ.setdefault("TF_NUM_INTEROP_THREADS", str(max(2, _share)))
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
@@ -30,6 +37,50 @@ def pytest_addoption(parser):
             "under the rootdir); -v also prints them"
         ),
     )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, the tests that share a module fixture run on one worker.
+
+    A module-scoped fixture of this suite starts processes or trains models
+    once for all of its tests (``--dist loadgroup`` keeps each group on one
+    worker, which then builds it once); the other tests go wherever a worker
+    is free.
+    """
+    for item in items:
+        definitions = getattr(item, "_fixtureinfo", None)
+        if definitions is None:
+            continue
+        for name in item.fixturenames:
+            for fixture in definitions.name2fixturedefs.get(name, ()):
+                if fixture.scope in ("module", "package", "session") and "tests" in str(
+                    fixture.baseid
+                ):
+                    item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}::{name}"))
+                    break
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Moves the figures a test measured (``tests.helpers.MEASURED``) into its report.
+
+    The controller gathers them from the reports (:func:`pytest_runtest_logreport`),
+    so that the figures of every pytest-xdist worker reach one file.
+    """
+    from tests.helpers import MEASURED
+
+    outcome = yield
+    report = outcome.get_result()
+    if call.when == "call" and item.nodeid in MEASURED:
+        report.user_properties.append(("equivalence_max_diff", MEASURED.pop(item.nodeid)))
+
+
+def pytest_runtest_logreport(report):
+    from tests.helpers import MEASURED
+
+    for name, diff in report.user_properties:
+        if name == "equivalence_max_diff":
+            MEASURED[report.nodeid] = max(diff, MEASURED.get(report.nodeid, 0.0))
 
 
 @pytest.fixture(autouse=True)

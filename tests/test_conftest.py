@@ -9,11 +9,20 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import FIGURES_TITLE
 from tests.helpers import ROOT
 
 SUITE = {
-    "conftest.py": "from tests.conftest import pytest_addoption, pytest_terminal_summary  # noqa\n",
+    "conftest.py": (
+        "from tests.conftest import (  # noqa\n"
+        "    pytest_addoption,\n"
+        "    pytest_runtest_logreport,\n"
+        "    pytest_runtest_makereport,\n"
+        "    pytest_terminal_summary,\n"
+        ")\n"
+    ),
     "test_one.py": (
         "from tests.helpers import assert_diff_below\n"
         "\n"
@@ -47,8 +56,11 @@ def summary_lines(out):
     return [line for line in out.splitlines() if line.startswith("equivalence:")]
 
 
-def test_a_default_run_writes_the_figures_to_a_file_and_names_it_in_one_line(tmp_path):
-    out = run_suite(tmp_path, "-q")
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one_process", "xdist"])
+def test_a_default_run_writes_the_figures_to_a_file_and_names_it_in_one_line(tmp_path, workers):
+    # Under pytest-xdist the figure is measured in a worker and written by
+    # the controller, which reads it from the test's report.
+    out = run_suite(tmp_path, "-q", *workers)
     (written,) = (tmp_path / "build" / "equivalence").iterdir()
     assert written.read_text().splitlines()[0] == f"# {FIGURES_TITLE}"
     assert FIGURE in written.read_text().splitlines()
