@@ -43,7 +43,9 @@ def squared_norm(grads, skip=None):
         if isinstance(g, tf.IndexedSlices):
             rows, positions = tf.unique(g.indices)
             g = tf.math.unsorted_segment_sum(g.values, positions, tf.size(rows))
-        squares.append(ops.sum(ops.square(ops.cast(g, "float32"))))
+        # One kernel (TensorFlow's L2Loss, sum(g ** 2) / 2) rather than a
+        # square, which writes a tensor of g's size, then a sum.
+        squares.append(2.0 * tf.nn.l2_loss(ops.cast(g, "float32")))
     if not squares:
         return ops.zeros((), "float32")
     return ops.sum(ops.stack(squares))
