@@ -29,6 +29,15 @@ FIGURES_TITLE = "equivalence: measured max |diff| against the reference"
 
 def pytest_addoption(parser):
     parser.addoption(
+        "--fast",
+        action="store_true",
+        help=(
+            "the fast tier, for checking a change in about 2 minutes (with -n auto on 2 "
+            "cores): the first parametrization of each test, without the multi-process "
+            "(slow), benchmark, Keras-suite and heavy tests; CI runs everything"
+        ),
+    )
+    parser.addoption(
         "--equivalence-figures",
         metavar="PATH",
         help=(
@@ -39,25 +48,28 @@ def pytest_addoption(parser):
     )
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist, the tests that share a module fixture run on one worker.
+_NOT_FAST = ("slow", "benchmarks", "keras_suite", "heavy")
 
-    A module-scoped fixture of this suite starts processes or trains models
-    once for all of its tests (``--dist loadgroup`` keeps each group on one
-    worker, which then builds it once); the other tests go wherever a worker
-    is free.
-    """
+
+def _fast_tier(config, items):
+    """``--fast``: each test function's first parametrization, none of ``_NOT_FAST``."""
+    kept, dropped, seen = [], [], set()
     for item in items:
-        definitions = getattr(item, "_fixtureinfo", None)
-        if definitions is None:
-            continue
-        for name in item.fixturenames:
-            for fixture in definitions.name2fixturedefs.get(name, ()):
-                if fixture.scope in ("module", "package", "session") and "tests" in str(
-                    fixture.baseid
-                ):
-                    item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}::{name}"))
-                    break
+        function = item.nodeid.split("[")[0]
+        if function in seen or any(item.get_closest_marker(m) for m in _NOT_FAST):
+            dropped.append(item)
+        else:
+            seen.add(function)
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+def pytest_collection_modifyitems(config, items):
+    """``--fast``: the fast tier (:func:`_fast_tier`)."""
+    if config.getoption("fast"):
+        _fast_tier(config, items)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -257,6 +257,7 @@ def trained():
     return model, wrapped, _restore_quietly(wrapped), x, recorder.history
 
 
+@pytest.mark.heavy
 def test_docs_example_mobilenetv2_trains_with_gradient_accumulate_model(trained):
     _, wrapped, _, x, history = trained
     assert int(wrapped.optimizer.iterations.numpy()) == 2  # 8 micro-steps
@@ -863,6 +864,7 @@ def test_invalid_synchronized_is_refused(synchronized):
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.heavy
 def test_a_trained_model_comes_back_as_plain_keras_with_its_trained_state(trained):
     initial, wrapped, plain, x, _ = trained
     assert int(wrapped.optimizer.iterations.numpy()) == 2

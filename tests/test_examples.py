@@ -252,6 +252,7 @@ def skip_without(module, extra):
         pytest.skip(f'{module} is not installed: pip install -e ".[{extra}]"')
 
 
+@pytest.mark.heavy
 def test_tuning():
     # KerasTuner's grid over accum_steps 1, 4, 16 at micro-batch 8 (batches
     # 8, 32, 128) and two learning rates: every trial trains, each with the
@@ -266,6 +267,7 @@ def test_tuning():
     assert re.search(r"^best: batch (8|32|128) \(accum_steps (1|4|16)\)", out, re.MULTILINE), out
 
 
+@pytest.mark.heavy
 def test_kerashub_finetune():
     # A KerasHub CausalLM (GPT-2) and TextClassifier (BERT) built from small
     # configurations, fine-tuned through the wrapper with AdamW and its

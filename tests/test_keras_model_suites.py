@@ -34,6 +34,9 @@ from gradient_accumulator import GradientAccumulateModel
 from gradient_accumulator._compat import Functional
 from tests.helpers import install_keras_test_cases
 
+# Keras's suites: out of the fast tier (``pytest --fast``, tests/conftest.py).
+pytestmark = pytest.mark.keras_suite
+
 # Keras's test modules. A wheel without tests (Keras < 3.15) has none of
 # them and the module collects a skipped placeholder; a wheel with tests must
 # import every one (a test module that stops importing fails the run).

@@ -51,6 +51,9 @@ import pytest
 from gradient_accumulator import GradientAccumulateOptimizer
 from tests.helpers import install_keras_test_cases
 
+# Keras's suites: out of the fast tier (``pytest --fast``, tests/conftest.py).
+pytestmark = pytest.mark.keras_suite
+
 KERAS_TEST_MODULES = tuple(
     f"keras.src.optimizers.{name}_test"
     for name in (
