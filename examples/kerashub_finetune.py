@@ -41,6 +41,15 @@ MICRO_BATCH = 8
 ACCUM_STEPS = 4
 SEQUENCE_LENGTH = 12
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]
+# Both backbones' size; dropout 0 to compare number for number.
+BACKBONE = {
+    "num_layers": 2,
+    "num_heads": 2,
+    "hidden_dim": 32,
+    "intermediate_dim": 64,
+    "dropout": 0.0,
+    "max_sequence_length": SEQUENCE_LENGTH,
+}
 
 
 def sentences(count, seed=0):
@@ -75,13 +84,7 @@ def causal_lm():
         tokenizer=gpt2_tokenizer(), sequence_length=SEQUENCE_LENGTH
     )
     backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=preprocessor.tokenizer.vocabulary_size(),
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=32,
-        intermediate_dim=64,
-        dropout=0.0,
-        max_sequence_length=SEQUENCE_LENGTH,
+        vocabulary_size=preprocessor.tokenizer.vocabulary_size(), **BACKBONE
     )
     return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=preprocessor)
 
@@ -95,13 +98,7 @@ def text_classifier():
         tokenizer=tokenizer, sequence_length=SEQUENCE_LENGTH
     )
     backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=tokenizer.vocabulary_size(),
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=32,
-        intermediate_dim=64,
-        dropout=0.0,
-        max_sequence_length=SEQUENCE_LENGTH,
+        vocabulary_size=tokenizer.vocabulary_size(), **BACKBONE
     )
     return keras_hub.models.BertTextClassifier(
         backbone=backbone, num_classes=2, preprocessor=preprocessor, dropout=0.0

@@ -406,8 +406,10 @@ class GradientAccumulateModel(keras.Model):
         # each class's share of the loss is weighted on its own and has its
         # own gradient, so a persistent tape where there are several.
         plan = self._class_plan()
-        # The outputs' loss trackers before the forward pass updates them.
-        before = [tracker_state(t) for t in output_loss_trackers(self)]
+        # The outputs' loss trackers, and their state before the forward pass
+        # updates them (read only where the group's loss is logged).
+        trackers = output_loss_trackers(self) if self._group_loss is not None else []
+        before = [tracker_state(t) for t in trackers]
         with (
             update_step_scope(is_update_step),
             tf.GradientTape(persistent=accumulator.num_classes > 1) as tape,
@@ -440,7 +442,7 @@ class GradientAccumulateModel(keras.Model):
                 weighted,
                 loss * replicas,
                 micro_loss.batch_size,
-                self._output_losses(micro_loss, before),
+                self._output_losses(micro_loss, trackers, before),
                 ends_group,
             )
         # Every state change waits for the batch (see above): the counters'
@@ -503,18 +505,17 @@ class GradientAccumulateModel(keras.Model):
         squared = noise_scale_module.squared_norm(class_grads[0], accumulator._takes_maximum)
         accumulator.add_noise_summary(noise_scale_module.micro_batch_summary(squared, factor, size))
 
-    def _output_losses(self, micro_loss, before):
+    def _output_losses(self, micro_loss, trackers, before):
         """Per output whose loss Keras logs apart, ``(tracker, loss, normaliser)``.
 
         The loss is what Keras's forward pass added to the output's tracker
-        (``before``: the trackers' ``[total, count]`` before it), in the
+        (``trackers``, and ``before``: their ``[total, count]`` before it), in the
         tracker's units; the normaliser is its recorded reduction's, one
         per output where the loss is Keras's own (``compute_loss`` not
         overridden, one Keras loss per output). ``None`` otherwise (those
         logs stay the micro-batches').
         """
-        trackers = output_loss_trackers(self)
-        if not trackers or len(trackers) != len(micro_loss.records) or len(before) != len(trackers):
+        if not trackers or len(trackers) != len(micro_loss.records):
             return None
         if type(self).compute_loss is not keras.Model.compute_loss:
             return None
