@@ -65,6 +65,7 @@ _WRAPPER_ARGUMENTS = (
     "gradient_norm",
     "noise_scale",
     "noise_scale_smoothing",
+    "noise_scale_micro_batches",
 )
 
 # What `keras.Model` takes besides them: a functional model's `inputs`,
@@ -217,6 +218,13 @@ class GradientAccumulateModel(keras.Model):
         noise_scale_smoothing: Float in [0, 1), the weight the moving
             averages of the two estimates keep at each update. Defaults to
             ``0.95``.
+        noise_scale_micro_batches: ``"all"`` or ``"last"``: which of a
+            group's micro-batches the noise scale measures the gradient of.
+            ``"all"`` costs one squared-norm reduction per micro-step;
+            ``"last"`` one per update (the group's last micro-batch: a
+            sample of one, unbiased, so noisier estimates), for whom the
+            reduction is a large part of a micro-step (a small model under
+            XLA on a CPU; see the guide's figures). Defaults to ``"all"``.
         **kwargs: Passed to ``keras.Model``, usually ``inputs=`` and
             ``outputs=``.
 
@@ -245,6 +253,7 @@ class GradientAccumulateModel(keras.Model):
         gradient_norm: bool = False,
         noise_scale: bool = False,
         noise_scale_smoothing: float = 0.95,
+        noise_scale_micro_batches: str = "all",
         **kwargs,
     ):
         check_keyword_arguments(
@@ -273,6 +282,13 @@ class GradientAccumulateModel(keras.Model):
                 "averages keep of the previous ones, and at 1 they never move. Received: "
                 f"noise_scale_smoothing={noise_scale_smoothing!r}"
             )
+        if noise_scale_micro_batches not in ("all", "last"):
+            raise ValueError(
+                '`noise_scale_micro_batches` must be "all" or "last" (which of a group\'s '
+                "micro-batches the noise scale measures). Received: "
+                f"noise_scale_micro_batches={noise_scale_micro_batches!r}"
+            )
+        self.noise_scale_micro_batches = noise_scale_micro_batches
         if self.noise_scale and self.coupled_loss is not None:
             raise ValueError(
                 "`noise_scale=True` compares each micro-batch's own gradient with its "
@@ -424,7 +440,7 @@ class GradientAccumulateModel(keras.Model):
         class_grads = class_gradients(tape, objectives, accumulator.routing, variables)
         del tape
         if self.noise_scale:
-            self._add_noise_summary(micro_loss, class_grads, divisors)
+            self._add_noise_summary(micro_loss, class_grads, divisors, place, is_update_step)
         loss = micro_loss.loss
         # `loss` is scaled by 1/replicas for the cross-replica sum; undo that.
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
@@ -483,8 +499,14 @@ class GradientAccumulateModel(keras.Model):
             logs["noise_scale_signal"] = figures[2]
         return logs
 
-    def _add_noise_summary(self, micro_loss, class_grads, divisors):
-        """Adds this micro-batch's gradient summary for the noise scale (``noise_scale=True``)."""
+    def _add_noise_summary(self, micro_loss, class_grads, divisors, place, is_update_step):
+        """Adds this micro-batch's gradient summary for the noise scale (``noise_scale=True``).
+
+        With ``noise_scale_micro_batches="last"``, the group's last
+        micro-step only measures its gradient: ``place.ends_group`` (a
+        Python boolean) says which it is in a group's function,
+        ``is_update_step`` (a tensor) in Keras's train step.
+        """
         accumulator = self._accumulator
         _, found = micro_loss.partition()
         kinds = [kind for _, kind in (found.partition or [])] if found is not None else []
@@ -502,8 +524,27 @@ class GradientAccumulateModel(keras.Model):
         # The training loss is the replica's share (divided by the replicas).
         factor = weight * scale / tf.distribute.get_strategy().num_replicas_in_sync
         size = weight * accumulator._group_references()[0].read_value()
-        squared = noise_scale_module.squared_norm(class_grads[0], accumulator._takes_maximum)
-        accumulator.add_noise_summary(noise_scale_module.micro_batch_summary(squared, factor, size))
+
+        def squared_norm():
+            return noise_scale_module.squared_norm(class_grads[0], accumulator._takes_maximum)
+
+        measured = None
+        if not self._noise_measures_last():
+            squared = squared_norm()
+        else:
+            # A group's own steps know whether they end it when traced
+            # (Python); Keras's train step knows it at run time.
+            measured = is_update_step if place is None else place.ends_group
+            if isinstance(measured, bool):
+                squared = squared_norm() if measured else ops.zeros((), "float32")
+                measured = tf.constant(measured)
+            else:
+                squared = tf.cond(measured, squared_norm, lambda: ops.zeros((), "float32"))
+        summary = noise_scale_module.micro_batch_summary(squared, factor, size, measured)
+        accumulator.add_noise_summary(summary)
+
+    def _noise_measures_last(self):
+        return self.noise_scale and self.noise_scale_micro_batches == "last"
 
     def _output_losses(self, micro_loss, trackers, before):
         """Per output whose loss Keras logs apart, ``(tracker, loss, normaliser)``.

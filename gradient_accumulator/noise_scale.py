@@ -18,14 +18,17 @@ micro-batches' squared norms, ``1 / b`` the mean of their ``1 / b_i`` and
 Each is noisy; as the paper does, their exponential moving averages over
 updates are divided (a ratio of averages, not an average of ratios). Under
 several replicas each replica's micro-batch is a small batch and ``B`` the
-global batch.
+global batch. ``S_small`` and ``1 / b`` may be the means over some of the
+group's micro-batches only (``noise_scale_every``: a sample of them, unbiased
+alike), ``B`` still the whole group's.
 """
 
 import tensorflow as tf
 from keras import ops
 
 # A micro-batch's summary, summed over a group's micro-batches and replicas:
-# its gradient's squared norm, 1 (a count), 1 / b_i, b_i.
+# its gradient's squared norm, 1 (a count), 1 / b_i (those three 0 where it is
+# not measured), b_i.
 SUMMARY_SIZE = 4
 
 
@@ -51,7 +54,7 @@ def squared_norm(grads, skip=None):
     return ops.sum(ops.stack(squares))
 
 
-def micro_batch_summary(grads_squared_norm, factor, size):
+def micro_batch_summary(grads_squared_norm, factor, size, measured=None):
     """One micro-batch's summary: ``[|g_i|^2, 1, 1 / b_i, b_i]`` (float32).
 
     Args:
@@ -61,20 +64,29 @@ def micro_batch_summary(grads_squared_norm, factor, size):
             micro-batch's own mean gradient ``g_i`` (its weight, the loss
             scale, one over the replicas).
         size: ``b_i``, the micro-batch's normaliser (samples, or tokens).
+        measured: ``None`` (measured), or a boolean tensor: where false, the
+            gradient was not measured and the summary is ``[0, 0, 0, b_i]``
+            (its samples still count in the group's ``B``).
     """
     factor = ops.cast(factor, "float32")
     size = ops.cast(size, "float32")
     own = ops.divide_no_nan(grads_squared_norm, factor * factor)
-    return ops.stack([own, ops.ones(()), ops.divide_no_nan(1.0, size), size])
+    inverse = ops.divide_no_nan(1.0, size)
+    summary = ops.stack([own, ops.ones(()), inverse])
+    if measured is not None:
+        # A select, not a product: an overflowed norm times 0 is NaN.
+        summary = ops.where(measured, summary, ops.zeros_like(summary))
+    return ops.concatenate([summary, ops.expand_dims(size, 0)])
 
 
 def estimates(sums, big_squared_norm):
     """``(trace, signal, valid)`` of one update from its summed summaries.
 
     ``trace`` estimates ``tr(Sigma)``, ``signal`` ``|G|^2``; ``valid`` is
-    false where there is no estimate: the group's batch is not bigger than
-    its micro-batches (one micro-batch on one replica), or a gradient was not
-    finite (an overflowed loss scale, whose update is skipped).
+    false where there is no estimate: no micro-batch of the group was
+    measured, the group's batch is not bigger than its micro-batches (one
+    micro-batch on one replica), or a gradient was not finite (an
+    overflowed loss scale, whose update is skipped).
     """
     count = sums[1]
     small = ops.divide_no_nan(sums[0], count)
@@ -88,7 +100,7 @@ def estimates(sums, big_squared_norm):
     # A loss-scaled gradient that overflowed (the update a LossScaleOptimizer
     # skips) has no estimate either.
     finite = ops.logical_and(ops.isfinite(trace), ops.isfinite(signal))
-    valid = ops.logical_and(ops.logical_and(count >= 2.0, gap > 1e-6 * inverse_small), finite)
+    valid = ops.logical_and(ops.logical_and(count >= 1.0, gap > 1e-6 * inverse_small), finite)
     return trace, signal, valid
 
 

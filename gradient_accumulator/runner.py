@@ -527,12 +527,14 @@ class GroupRunner:
 
         # XLA: each a program of its own. Without layers that follow the
         # update boundary, the last micro-step is the same computation as
-        # the others (one program for both).
+        # the others (one program for both), unless the noise scale measures
+        # the last micro-batch only (its reduction in that program alone).
         def compiled(fn):
             return tf.function(fn, reduce_retracing=True, jit_compile=True, autograph=False)
 
         adding = compiled(step(False))
-        last = compiled(step(True)) if model._statistics_layers() else adding
+        last_differs = model._statistics_layers() or model._noise_measures_last()
+        last = compiled(step(True)) if last_differs else adding
         self._functions["xla"] = (adding, last, compiled(update))
         return self._functions["xla"]
 

@@ -38,8 +38,23 @@ from tests.helpers import (
         (4, 8, "mixed_float16"),
         (4, 8, "jit"),
         (4, 8, "unknown_length"),
+        (4, 8, "last"),
+        (16, 2, "last"),
+        (4, 8, "last_jit"),
+        (4, 8, "last_unknown_length"),
     ],
-    ids=["k4-b8", "k16-b2", "k128-b1", "k4-b8-mixed_float16", "k4-b8-jit", "k4-b8-unknown_length"],
+    ids=[
+        "k4-b8",
+        "k16-b2",
+        "k128-b1",
+        "k4-b8-mixed_float16",
+        "k4-b8-jit",
+        "k4-b8-unknown_length",
+        "k4-b8-last",
+        "k16-b2-last",
+        "k4-b8-last-jit",
+        "k4-b8-last-unknown_length",
+    ],
 )
 def test_estimates_are_the_closed_form_within_their_standard_error(
     accum_steps, micro_batch, policy, request
@@ -49,8 +64,15 @@ def test_estimates_are_the_closed_form_within_their_standard_error(
     if policy == "mixed_float16":
         request.getfixturevalue("mixed_float16")
     updates = 400 if accum_steps < 128 else 50
-    options = {"jit": {"jit_compile": True}, "unknown_length": {"unknown_length": True}}
-    _, logs = noise_regression(accum_steps, micro_batch, updates, **options.get(policy, {}))
+    options = {}
+    if policy.startswith("last"):
+        # The group's last micro-batch only: a sample of one per update.
+        options["noise_scale_micro_batches"] = "last"
+    if policy.endswith("jit"):
+        options["jit_compile"] = True
+    if policy.endswith("unknown_length"):
+        options["unknown_length"] = True
+    _, logs = noise_regression(accum_steps, micro_batch, updates, **options)
     assert len(logs) == updates
     trace, signal = noise_closed_form()
     for key, truth in (("noise_scale_trace", trace), ("noise_scale_signal", signal)):
@@ -95,8 +117,9 @@ def test_a_group_of_one_micro_batch_keeps_the_previous_figures():
         ({"accum_steps": 4, "noise_scale_smoothing": 1.0}, "must be below 1"),
         ({"accum_steps": 4, "noise_scale_smoothing": 1.5}, "must be a float in"),
         ({"accum_steps": 4, "coupled_loss": "replica"}, "has no gradient of its own"),
+        ({"accum_steps": 4, "noise_scale_micro_batches": "first"}, 'must be "all" or "last"'),
     ],
-    ids=["accum_steps_1", "smoothing_1", "smoothing_out_of_range", "coupled_loss"],
+    ids=["accum_steps_1", "smoothing_1", "smoothing_out_of_range", "coupled_loss", "micro_batches"],
 )
 def test_what_has_no_noise_scale_is_refused(arguments, message):
     with pytest.raises(ValueError, match=message):
