@@ -21,7 +21,8 @@ the work done whatever the overlap, and moves by a few percent.
 
 Run: ``python -m benchmarks.fit_time`` (``--models dense --modes jit`` for a
 part; ``--quick`` for CI: the dense model in graph mode, two rounds; figures
-meaningless). ``--noise-scale`` adds the library with ``noise_scale=True`` to
+meaningless; ``--accum-steps 64`` for another ``k``, the epoch keeping its
+micro-batches). ``--noise-scale`` adds the library with ``noise_scale=True`` to
 the same rounds, measuring every micro-batch's gradient and (a fifth
 configuration) the group's last only (``noise_scale_micro_batches="last"``),
 and prints their times over the library's.
@@ -76,20 +77,25 @@ NOISE_SCALE = "library_noise_scale"
 NOISE_SCALE_LAST = "library_noise_scale_last"
 
 
-def measure(kind, mode, rounds, groups, noise_scale=False):
-    """Times one epoch of each configuration per round; returns the case's record."""
+def measure(kind, mode, rounds, groups, noise_scale=False, accum_steps=ACCUM_STEPS):
+    """Times one epoch of each configuration per round; returns the case's record.
+
+    ``groups`` is per epoch at ``ACCUM_STEPS``: another ``accum_steps``
+    keeps the epoch's micro-batches (at least one group).
+    """
     builder, shape = MODELS[kind]
-    x, y = classification_data(groups * ACCUM_STEPS * MICRO_BATCH, shape)
+    groups = max(1, groups * ACCUM_STEPS // accum_steps)
+    x, y = classification_data(groups * accum_steps * MICRO_BATCH, shape)
     jit_compile = mode == "jit"
     models = {
-        flavour: compiled(flavour, *builder(), ACCUM_STEPS, jit_compile=jit_compile)
+        flavour: compiled(flavour, *builder(), accum_steps, jit_compile=jit_compile)
         for flavour in FLAVOURS
     }
     if noise_scale:
         for name, measured in ((NOISE_SCALE, "all"), (NOISE_SCALE_LAST, "last")):
             kwargs = {"noise_scale": True, "noise_scale_micro_batches": measured}
             models[name] = compiled(
-                LIBRARY, *builder(), ACCUM_STEPS, jit_compile, model_kwargs=kwargs
+                LIBRARY, *builder(), accum_steps, jit_compile, model_kwargs=kwargs
             )
 
     def epoch(model):
@@ -111,7 +117,7 @@ def measure(kind, mode, rounds, groups, noise_scale=False):
         "model": kind,
         "mode": mode,
         "micro_batch": MICRO_BATCH,
-        "accum_steps": ACCUM_STEPS,
+        "accum_steps": accum_steps,
         "rounds": rounds,
         "micro_batches_per_epoch": len(x) // MICRO_BATCH,
         "seconds_per_micro_batch": times,
@@ -140,17 +146,38 @@ def main():
         action="store_true",
         help="also time the library with noise_scale=True (its cost over the library's)",
     )
+    p.add_argument(
+        "--accum-steps",
+        type=int,
+        default=ACCUM_STEPS,
+        help=f"accum_steps of the accumulating configurations (default {ACCUM_STEPS}); "
+        "an epoch keeps its micro-batches",
+    )
     args = p.parse_args()
+    if args.accum_steps < 1:
+        p.error(f"--accum-steps must be >= 1. Received: {args.accum_steps}")
     models, modes = chosen_parts(p, args, MODELS)
-    cases = QUICK_CASES if args.quick else [
-        case for case in FULL_CASES if case[0] in models and case[1] in modes
+    cases = (
+        QUICK_CASES
+        if args.quick
+        else [case for case in FULL_CASES if case[0] in models and case[1] in modes]
+    )
+    records = [
+        measure(*case, noise_scale=args.noise_scale, accum_steps=args.accum_steps) for case in cases
     ]
-    records = [measure(*case, noise_scale=args.noise_scale) for case in cases]
     print_table(
-        f"fit epoch time per micro-batch over plain fit (k={ACCUM_STEPS}, micro-batch "
+        f"fit epoch time per micro-batch over plain fit (k={args.accum_steps}, micro-batch "
         f"{MICRO_BATCH}, Adam; medians of per-round ratios)",
-        ["model", "mode", "rounds", "plain ms", LABELS[KERAS_BUILTIN], LABELS[LIBRARY],
-         "library / built-in", "first epoch s (plain, built-in, library)"],
+        [
+            "model",
+            "mode",
+            "rounds",
+            "plain ms",
+            LABELS[KERAS_BUILTIN],
+            LABELS[LIBRARY],
+            "library / built-in",
+            "first epoch s (plain, built-in, library)",
+        ],
         [
             [
                 r["model"],
@@ -168,8 +195,14 @@ def main():
     print_table(
         "the same epochs' process CPU time per micro-batch over plain fit's (medians of "
         "per-round ratios)",
-        ["model", "mode", "plain CPU ms", LABELS[KERAS_BUILTIN], LABELS[LIBRARY],
-         "library / built-in"],
+        [
+            "model",
+            "mode",
+            "plain CPU ms",
+            LABELS[KERAS_BUILTIN],
+            LABELS[LIBRARY],
+            "library / built-in",
+        ],
         [
             [
                 r["model"],
@@ -218,9 +251,10 @@ def main():
 
     save(
         args.out,
-        "fit_time_quick" if args.quick else "fit_time",
+        ("fit_time_quick" if args.quick else "fit_time")
+        + ("" if args.accum_steps == ACCUM_STEPS else f"_k{args.accum_steps}"),
         {
-            "accum_steps": ACCUM_STEPS,
+            "accum_steps": args.accum_steps,
             "micro_batch": MICRO_BATCH,
             "quick": args.quick,
             "results": records,

@@ -1243,6 +1243,47 @@ def test_logged_loss_of_other_divisors_equals_the_big_batch_s(case, mode):
         np.testing.assert_allclose(history[key], values, rtol=1e-6, err_msg=key)
 
 
+@pytest.mark.parametrize(
+    "accum_steps, micro_batch, mode",
+    [(64, 2, "graph"), (64, 2, "jit"), (128, 1, "graph"), (4, MICRO_BATCH, "mixed_float16")],
+    ids=["k64-graph", "k64-jit", "k128-b1-graph", "k4-mixed_float16"],
+)
+def test_logged_token_loss_at_the_limits_equals_the_big_batch_s(
+    accum_steps, micro_batch, mode, request
+):
+    # The masked tagger's token mean at accum_steps 64 and 128 (micro-batches
+    # of 1 or 2 sequences of 1-12 tokens: the token counts differ most), and
+    # under mixed_float16 (a float16 forward pass, a loss-scaled gradient).
+    # An epoch of one whole group and half a group, two epochs: each update's
+    # logged loss and the History are plain Keras's at the big batch.
+    if mode == "mixed_float16":
+        request.getfixturevalue("mixed_float16")
+    big = accum_steps * micro_batch
+    x, tags, _ = make_padded_sequences(big + big // 2)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    runs = []
+    for cls, batch_size, kwargs in (
+        (keras.Model, big, {}),
+        (GradientAccumulateModel, micro_batch, {"accum_steps": accum_steps}),
+    ):
+        model = build_tagger(cls, **kwargs)
+        model.compile(keras.optimizers.SGD(0.05), loss, jit_compile=mode == "jit")
+        logs = BatchLogs()
+        history = model.fit(
+            x, tags, batch_size=batch_size, epochs=2, shuffle=False, verbose=0, callbacks=[logs]
+        )
+        runs.append((logs.batches, history.history, model.get_weights()))
+    (expected_logs, expected_history, reference), (logged, history, weights) = runs
+    # float16's forward pass: the same per-sample float16 products in both,
+    # summed in float32; the tolerance is float16's where it runs.
+    rtol, atol = (FLOAT16_ATOL, FLOAT16_ATOL) if mode == "mixed_float16" else (1e-6, FLOAT32_ATOL)
+    assert_close(reference, weights, atol)
+    assert len(logged) == len(expected_logs) == 4
+    for update, (expected, got) in enumerate(zip(expected_logs, logged)):
+        assert abs(got["loss"] - expected["loss"]) <= rtol * abs(expected["loss"]), update
+    np.testing.assert_allclose(history["loss"], expected_history["loss"], rtol=rtol)
+
+
 def test_logged_token_loss_on_data_of_unknown_length_equals_the_big_batch_s():
     # The micro-steps case (one micro-step per call, the update decided at
     # run time): 8 micro-batches, two whole groups; each group's last

@@ -143,7 +143,7 @@ def test_two_replicas_estimate_the_closed_form():
     # Each replica's micro-batch is a small batch; B is the global batch.
     results = script_results(run_script_module("mirrored_noise_scale", [], timeout=900))
     assert results["replicas"] == 2
-    for case in ("k4", "k1"):
+    for case in ("k4", "k1", "k4_last"):
         assert results[case]["updates"] == 400
         for key in ("trace", "signal"):
             mean, error = results[case][key]
@@ -159,6 +159,7 @@ def test_the_arguments_are_saved(tmp_path):
         accum_steps=4,
         noise_scale=True,
         noise_scale_smoothing=0.8,
+        noise_scale_micro_batches="last",
         gradient_norm=True,
     )
     model.compile("sgd", "mse")
@@ -167,7 +168,8 @@ def test_the_arguments_are_saved(tmp_path):
     path = tmp_path / "model.keras"
     model.save(path)
     loaded = keras.saving.load_model(path)
-    for name, value in (("noise_scale", True), ("noise_scale_smoothing", 0.8)):
+    saved = (("noise_scale", True), ("noise_scale_smoothing", 0.8))
+    for name, value in (*saved, ("noise_scale_micro_batches", "last")):
         assert model.get_config()[name] == getattr(loaded, name) == value
     assert loaded.gradient_norm is True
     history = loaded.fit(x, y, batch_size=8, verbose=0)

@@ -4,7 +4,9 @@ Run: ``python -m tests.scripts.mirrored_noise_scale``. The regression of
 ``tests/test_noise_scale.py`` (``tests.helpers.noise_regression``) at the
 global micro-batch 8 (4 per replica: each replica's micro-batch is a small
 batch), ``accum_steps`` 4 and 1 (two replicas still give two small batches
-per update), 400 updates each. Prints one results line, per case: the mean
+per update), and 4 measuring the group's last micro-batch only
+(``noise_scale_micro_batches="last"``: each replica's last, two small
+batches per update), 400 updates each. Prints one results line, per case: the mean
 and standard error of each update's ``noise_scale_trace`` and
 ``noise_scale_signal``, and the closed form.
 """
@@ -24,9 +26,11 @@ def main():
     strategy = tf.distribute.MirroredStrategy(devices)
     trace, signal = noise_closed_form()
     results = {"replicas": strategy.num_replicas_in_sync, "trace": trace, "signal": signal}
-    for accum_steps in (4, 1):
-        _, logs = noise_regression(accum_steps, 8, UPDATES, strategy=strategy)
-        results[f"k{accum_steps}"] = {
+    for case, accum_steps, measured in (("k4", 4, "all"), ("k1", 1, "all"), ("k4_last", 4, "last")):
+        _, logs = noise_regression(
+            accum_steps, 8, UPDATES, strategy=strategy, noise_scale_micro_batches=measured
+        )
+        results[case] = {
             "updates": len(logs),
             **{
                 key: mean_and_error([entry[f"noise_scale_{key}"] for entry in logs])
