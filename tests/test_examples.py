@@ -233,6 +233,7 @@ def test_mobilenetv2_bn_swap():
     assert value(r"of the reloaded plain model: (\S+)", out) <= 1e-6
 
 
+@pytest.mark.heavy
 def test_noise_scale():
     out = run_example("noise_scale.py")
     rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)$", out, flags=re.MULTILINE)

@@ -168,6 +168,7 @@ def test_an_out_of_memory_try_is_passed_over():
     assert int(model.optimizer.iterations.numpy()) == math.ceil(len(X) / 64)  # one, shorter
 
 
+@pytest.mark.heavy
 def test_a_batchnorm_model_at_the_choice_keeps_the_batch_statistics(peaks):
     """A converted BN model at the chosen split: its first BN layer's moving statistics are
     Keras's at ``batch_size`` after one update (the layer's own claim: the deeper layer's
@@ -349,6 +350,7 @@ def test_under_mirrored_strategy_the_batch_is_global():
     )
 
 
+@pytest.mark.heavy
 def test_mixed_float16_tries_under_the_policy(mixed_float16):
     """The tries build and train their models under the dtype policy set before them.
 
