@@ -21,11 +21,12 @@ the work done whatever the overlap, and moves by a few percent.
 
 Run: ``python -m benchmarks.fit_time`` (``--models dense --modes jit`` for a
 part; ``--quick`` for CI: the dense model in graph mode, two rounds; figures
-meaningless; ``--accum-steps 64`` for another ``k``, the epoch keeping its
-micro-batches). ``--noise-scale`` adds the library with ``noise_scale=True`` to
-the same rounds, measuring every micro-batch's gradient and (a fifth
-configuration) the group's last only (``noise_scale_micro_batches="last"``),
-and prints their times over the library's.
+meaningless; ``--accum-steps 64`` for another ``k``: whole groups of about
+the epoch's micro-batches at 4, at least one group). ``--noise-scale`` adds
+the library with ``noise_scale=True`` to the same rounds, measuring every
+micro-batch's gradient and (a fifth configuration) the group's last only
+(``noise_scale_micro_batches="last"``), and prints their times over the
+library's.
 """
 
 import time
@@ -81,7 +82,8 @@ def measure(kind, mode, rounds, groups, noise_scale=False, accum_steps=ACCUM_STE
     """Times one epoch of each configuration per round; returns the case's record.
 
     ``groups`` is per epoch at ``ACCUM_STEPS``: another ``accum_steps``
-    keeps the epoch's micro-batches (at least one group).
+    runs whole groups of about as many micro-batches (at least one group;
+    the figures are per micro-batch).
     """
     builder, shape = MODELS[kind]
     groups = max(1, groups * ACCUM_STEPS // accum_steps)
@@ -151,7 +153,7 @@ def main():
         type=int,
         default=ACCUM_STEPS,
         help=f"accum_steps of the accumulating configurations (default {ACCUM_STEPS}); "
-        "an epoch keeps its micro-batches",
+        "an epoch holds whole groups of about as many micro-batches",
     )
     args = p.parse_args()
     if args.accum_steps < 1:

@@ -19,8 +19,8 @@ Each is noisy; as the paper does, their exponential moving averages over
 updates are divided (a ratio of averages, not an average of ratios). Under
 several replicas each replica's micro-batch is a small batch and ``B`` the
 global batch. ``S_small`` and ``1 / b`` may be the means over some of the
-group's micro-batches only (``noise_scale_every``: a sample of them, unbiased
-alike), ``B`` still the whole group's.
+group's micro-batches only (``noise_scale_micro_batches="last"``: the last,
+a sample of one, unbiased alike), ``B`` still the whole group's.
 """
 
 import tensorflow as tf

@@ -423,6 +423,14 @@ def noise_closed_form():
     return trace, signal
 
 
+def noise_regression_data(num_samples, seed=0):
+    """``(x, y)`` of the noise-scale regression: ``y = x . w* + e``, ``e ~ N(0, sigma^2)``."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(num_samples, NOISE_DIM)).astype("float32")
+    y = (x @ NOISE_TRUE_W + NOISE_SIGMA * rng.normal(size=(len(x), 1))).astype("float32")
+    return x, y
+
+
 def noise_regression(
     accum_steps,
     micro_batch,
@@ -439,9 +447,7 @@ def noise_regression(
     ``unknown_length``: the micro-batches from a generator (the runner's
     micro-steps case).
     """
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(updates * accum_steps * micro_batch, NOISE_DIM)).astype("float32")
-    y = (x @ NOISE_TRUE_W + NOISE_SIGMA * rng.normal(size=(len(x), 1))).astype("float32")
+    x, y = noise_regression_data(updates * accum_steps * micro_batch, seed)
     with strategy.scope() if strategy is not None else contextlib.nullcontext():
         inputs = keras.Input((NOISE_DIM,))
         dense = keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")
