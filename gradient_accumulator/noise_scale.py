@@ -67,15 +67,18 @@ def micro_batch_summary(grads_squared_norm, factor, size, measured=None):
         measured: ``None`` (measured), or a boolean tensor: where false, the
             gradient was not measured and the summary is ``[0, 0, 0, b_i]``
             (its samples still count in the group's ``B``).
+
+    A micro-batch of no samples (``b_i = 0``: all its tokens masked) is not
+    measured either: its gradient is 0, no draw of one of size ``b_i``.
     """
     factor = ops.cast(factor, "float32")
     size = ops.cast(size, "float32")
     own = ops.divide_no_nan(grads_squared_norm, factor * factor)
     inverse = ops.divide_no_nan(1.0, size)
     summary = ops.stack([own, ops.ones(()), inverse])
-    if measured is not None:
-        # A select, not a product: an overflowed norm times 0 is NaN.
-        summary = ops.where(measured, summary, ops.zeros_like(summary))
+    measured = size > 0.0 if measured is None else ops.logical_and(measured, size > 0.0)
+    # A select, not a product: an overflowed norm times 0 is NaN.
+    summary = ops.where(measured, summary, ops.zeros_like(summary))
     return ops.concatenate([summary, ops.expand_dims(size, 0)])
 
 

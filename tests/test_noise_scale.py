@@ -13,6 +13,7 @@ error of those values.
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from gradient_accumulator import GradientAccumulateModel
 from tests.helpers import (
@@ -20,6 +21,8 @@ from tests.helpers import (
     NOISE_TRUE_W,
     BatchLogs,
     build_dense,
+    build_tagger,
+    make_padded_sequences,
     make_regression_data,
     mean_and_error,
     noise_closed_form,
@@ -27,6 +30,7 @@ from tests.helpers import (
     noise_regression_data,
     run_script_module,
     script_results,
+    unknown_length_dataset,
 )
 
 
@@ -112,6 +116,52 @@ def test_each_update_s_estimates_are_numpy_s_from_the_measured_micro_batches(mea
         small = np.mean([np.sum(g**2) for g in chosen])
         big = np.sum(np.mean(group, axis=0) ** 2)
         inverse_small, inverse_big = 1.0 / micro_batch, 1.0 / (accum_steps * micro_batch)
+        gap = inverse_small - inverse_big
+        trace = (small - big) / gap
+        signal = (inverse_small * big - inverse_big * small) / gap
+        np.testing.assert_allclose(entry["noise_scale_trace"], trace, rtol=1e-4, err_msg=update)
+        np.testing.assert_allclose(entry["noise_scale_signal"], signal, rtol=1e-4, err_msg=update)
+
+
+@pytest.mark.parametrize("mode", ["graph", "unknown_length"])
+def test_micro_batches_of_other_token_counts_and_an_empty_one_are_numpy_s_estimates(mode):
+    # A masked tagger at fixed weights (SGD(0)): micro-batch i's gradient
+    # g_i is its mean over its n_i valid tokens, computed here on a plain
+    # Keras twin; S_small and 1 / b are the means over the micro-batches
+    # with tokens (an all-padding one, n_i = 0, has no gradient to measure:
+    # counted, it would pull both means to 0), B = sum n_i.
+    accum_steps, micro_batch, updates = 4, 4, 3
+    x, tags, _ = make_padded_sequences(updates * accum_steps * micro_batch)
+    x[micro_batch : 2 * micro_batch] = 0  # The first group's second micro-batch: all padding.
+    model = build_tagger(GradientAccumulateModel, accum_steps=accum_steps, noise_scale=True)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(keras.optimizers.SGD(0.0), loss)
+    logs = BatchLogs()
+    if mode == "unknown_length":
+        model.fit(unknown_length_dataset(x, tags, micro_batch), verbose=0, callbacks=[logs])
+    else:
+        model.fit(x, tags, batch_size=micro_batch, shuffle=False, verbose=0, callbacks=[logs])
+    twin = build_tagger()
+    grads, tokens = [], []
+    for start in range(0, len(x), micro_batch):
+        xi, ti = x[start : start + micro_batch], tags[start : start + micro_batch]
+        mask = (xi != 0).astype("float32")
+        with tf.GradientTape() as tape:
+            per_token = keras.losses.sparse_categorical_crossentropy(
+                ti, twin(xi, training=True), from_logits=True
+            )
+            mean = tf.reduce_sum(per_token * mask) / max(mask.sum(), 1.0)
+        flat = [tf.convert_to_tensor(g) for g in tape.gradient(mean, twin.trainable_variables)]
+        grads.append(np.concatenate([g.numpy().ravel() for g in flat]).astype("float64"))
+        tokens.append(mask.sum())
+    assert len(logs.batches) == updates and tokens[1] == 0
+    for update, entry in enumerate(logs.batches):
+        group = slice(update * accum_steps, (update + 1) * accum_steps)
+        g, n = np.array(grads[group]), np.array(tokens[group])
+        big = np.sum(((n[:, None] * g).sum(axis=0) / n.sum()) ** 2)
+        measured = n > 0
+        small = np.mean(np.sum(g[measured] ** 2, axis=1))
+        inverse_small, inverse_big = np.mean(1.0 / n[measured]), 1.0 / n.sum()
         gap = inverse_small - inverse_big
         trace = (small - big) / gap
         signal = (inverse_small * big - inverse_big * small) / gap
