@@ -24,9 +24,10 @@ part; ``--quick`` for CI: the dense model in graph mode, two rounds; figures
 meaningless; ``--accum-steps 64`` for another ``k``: whole groups of about
 the epoch's micro-batches at 4, at least one group). ``--noise-scale`` adds
 the library with ``noise_scale=True`` to the same rounds, measuring every
-micro-batch's gradient and (a fifth configuration) the group's last only
-(``noise_scale_micro_batches="last"``), and prints their times over the
-library's.
+micro-batch's gradient, (a fifth configuration) the group's last only
+(``noise_scale_micro_batches="last"``) and (a sixth) the last of one group in
+``--noise-scale-every`` (default 4; ``noise_scale_every``), and prints their
+times over the library's.
 """
 
 import time
@@ -71,14 +72,31 @@ FULL_CASES = [
 QUICK_CASES = [("dense", "graph", 2, 2)]
 
 
-# With --noise-scale: the library with `noise_scale=True`, a fourth and a fifth
-# configuration in the same rounds (their cost over the library's): every
-# micro-batch measured, and the group's last only.
+# With --noise-scale: the library with `noise_scale=True`, a fourth, fifth and
+# sixth configuration in the same rounds (their cost over the library's):
+# every micro-batch measured, the group's last only, and the last of one group
+# in `--noise-scale-every`. name: (record key, noise_scale_micro_batches, every
+# or None for the option's).
 NOISE_SCALE = "library_noise_scale"
 NOISE_SCALE_LAST = "library_noise_scale_last"
+NOISE_SCALE_EVERY = "library_noise_scale_last_every"
+NOISE_CONFIGURATIONS = {
+    NOISE_SCALE: ("noise_scale", "all", 1),
+    NOISE_SCALE_LAST: ("noise_scale_last", "last", 1),
+    NOISE_SCALE_EVERY: ("noise_scale_last_every", "last", None),
+}
+NOISE_SCALE_EVERY_DEFAULT = 4
 
 
-def measure(kind, mode, rounds, groups, noise_scale=False, accum_steps=ACCUM_STEPS):
+def measure(
+    kind,
+    mode,
+    rounds,
+    groups,
+    noise_scale=False,
+    accum_steps=ACCUM_STEPS,
+    noise_scale_every=NOISE_SCALE_EVERY_DEFAULT,
+):
     """Times one epoch of each configuration per round; returns the case's record.
 
     ``groups`` is per epoch at ``ACCUM_STEPS``: another ``accum_steps``
@@ -94,8 +112,12 @@ def measure(kind, mode, rounds, groups, noise_scale=False, accum_steps=ACCUM_STE
         for flavour in FLAVOURS
     }
     if noise_scale:
-        for name, measured in ((NOISE_SCALE, "all"), (NOISE_SCALE_LAST, "last")):
-            kwargs = {"noise_scale": True, "noise_scale_micro_batches": measured}
+        for name, (_, measured, every) in NOISE_CONFIGURATIONS.items():
+            kwargs = {
+                "noise_scale": True,
+                "noise_scale_micro_batches": measured,
+                "noise_scale_every": every or noise_scale_every,
+            }
             models[name] = compiled(
                 LIBRARY, *builder(), accum_steps, jit_compile, model_kwargs=kwargs
             )
@@ -120,6 +142,7 @@ def measure(kind, mode, rounds, groups, noise_scale=False, accum_steps=ACCUM_STE
         "mode": mode,
         "micro_batch": MICRO_BATCH,
         "accum_steps": accum_steps,
+        "noise_scale_every": noise_scale_every if noise_scale else None,
         "rounds": rounds,
         "micro_batches_per_epoch": len(x) // MICRO_BATCH,
         "seconds_per_micro_batch": times,
@@ -134,7 +157,7 @@ def measure(kind, mode, rounds, groups, noise_scale=False, accum_steps=ACCUM_STE
     record["library_over_builtin"] = median_ratio(times[LIBRARY], times[KERAS_BUILTIN])
     record["library_cpu_over_builtin"] = median_ratio(cpu[LIBRARY], cpu[KERAS_BUILTIN])
     if noise_scale:
-        for name, key in ((NOISE_SCALE, "noise_scale"), (NOISE_SCALE_LAST, "noise_scale_last")):
+        for name, (key, _, _) in NOISE_CONFIGURATIONS.items():
             record[f"{key}_over_library"] = median_ratio(times[name], times[LIBRARY])
             record[f"{key}_cpu_over_library"] = median_ratio(cpu[name], cpu[LIBRARY])
     return record
@@ -155,9 +178,18 @@ def main():
         help=f"accum_steps of the accumulating configurations (default {ACCUM_STEPS}); "
         "an epoch holds whole groups of about as many micro-batches",
     )
+    p.add_argument(
+        "--noise-scale-every",
+        type=int,
+        default=NOISE_SCALE_EVERY_DEFAULT,
+        help="with --noise-scale, noise_scale_every of the sixth configuration "
+        f"(default {NOISE_SCALE_EVERY_DEFAULT})",
+    )
     args = p.parse_args()
     if args.accum_steps < 1:
         p.error(f"--accum-steps must be >= 1. Received: {args.accum_steps}")
+    if args.noise_scale_every < 1:
+        p.error(f"--noise-scale-every must be >= 1. Received: {args.noise_scale_every}")
     models, modes = chosen_parts(p, args, MODELS)
     cases = (
         QUICK_CASES
@@ -165,7 +197,13 @@ def main():
         else [case for case in FULL_CASES if case[0] in models and case[1] in modes]
     )
     records = [
-        measure(*case, noise_scale=args.noise_scale, accum_steps=args.accum_steps) for case in cases
+        measure(
+            *case,
+            noise_scale=args.noise_scale,
+            accum_steps=args.accum_steps,
+            noise_scale_every=args.noise_scale_every,
+        )
+        for case in cases
     ]
     print_table(
         f"fit epoch time per micro-batch over plain fit (k={args.accum_steps}, micro-batch "
@@ -221,16 +259,20 @@ def main():
     if args.noise_scale:
         print_table(
             "noise_scale=True over the library without it, same epochs (medians of per-round "
-            "ratios; goal <= 1.03): every micro-batch measured, and the group's last only",
-            ["model", "mode", "all: wall", "all: CPU", "last: wall", "last: CPU"],
+            "ratios; goal <= 1.03): every micro-batch measured, the group's last only, and "
+            f"the last of one group in {args.noise_scale_every} (noise_scale_every)",
+            ["model", "mode"]
+            + [
+                f"{label}: {what}"
+                for label in ("all", "last", f"last, every {args.noise_scale_every}")
+                for what in ("wall", "CPU")
+            ],
             [
-                [
-                    r["model"],
-                    r["mode"],
-                    f"{r['noise_scale_over_library']:.3f}",
-                    f"{r['noise_scale_cpu_over_library']:.3f}",
-                    f"{r['noise_scale_last_over_library']:.3f}",
-                    f"{r['noise_scale_last_cpu_over_library']:.3f}",
+                [r["model"], r["mode"]]
+                + [
+                    f"{r[f'{key}{what}_over_library']:.3f}"
+                    for key, _, _ in NOISE_CONFIGURATIONS.values()
+                    for what in ("", "_cpu")
                 ]
                 for r in records
             ],

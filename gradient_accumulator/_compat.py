@@ -171,8 +171,10 @@ def loss_scale_optimizer_building(optimizer):
     ``tests/test_compat.py`` checks that it is found.
     """
     return _calling_self(
-        lambda frame, caller: isinstance(caller, keras.optimizers.LossScaleOptimizer)
-        and caller.inner_optimizer is optimizer,
+        lambda frame, caller: (
+            isinstance(caller, keras.optimizers.LossScaleOptimizer)
+            and caller.inner_optimizer is optimizer
+        ),
         depth=8,
     )
 

@@ -98,9 +98,8 @@ def is_multi_worker(strategy):
     Keras reduces a train step's logs differently in that case, and wrongly
     for scalars; see :func:`logs_for_keras`.
     """
-    return (
-        isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
-        and in_multi_worker_mode(strategy)
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and in_multi_worker_mode(
+        strategy
     )
 
 

@@ -456,6 +456,12 @@ class GradientAccumulator(tf.Module):
             added (what plain data-parallel training does each step), so the
             sums are global between updates; ``accum_steps`` times the
             communication, for whoever wants replicas' sums in step.
+        track_gradient_norm: Boolean, keep each update's mean gradient's
+            norm in ``gradient_norm``.
+        noise_scale_decay: ``None``, or the noise scale's moving averages'
+            decay (:mod:`gradient_accumulator.noise_scale`).
+        noise_scale_every: Integer >= 1: the noise scale measures one update
+            in that many (:meth:`noise_update_measured`).
         name: String, the name scope of the state.
     """
 
@@ -467,11 +473,13 @@ class GradientAccumulator(tf.Module):
         reduce_every_micro_step=False,
         track_gradient_norm=False,
         noise_scale_decay=None,
+        noise_scale_every=1,
         name="gradient_accumulator",
     ):
         super().__init__(name=name)
         self._track_gradient_norm = track_gradient_norm
         self._noise_scale_decay = noise_scale_decay
+        self._noise_scale_every = noise_scale_every
         self.accum_steps = accum_steps
         self._gradient_transform = gradient_transform
         self._reduce_every_micro_step = reduce_every_micro_step
@@ -878,7 +886,9 @@ class GradientAccumulator(tf.Module):
         self.traced_slots = [k for k, grad in enumerate(slot_grads) if grad is not None]
         return self.traced_slots
 
-    def apply_if(self, is_update_step, optimizer, variables, statistics=(), present=None):
+    def apply_if(
+        self, is_update_step, optimizer, variables, statistics=(), present=None, noise_measured=None
+    ):
         """Hands the group's mean gradient to ``optimizer`` if ``is_update_step``.
 
         Called in replica context; resets the group after updating. The
@@ -895,6 +905,9 @@ class GradientAccumulator(tf.Module):
             present: Indices into :meth:`_slots` of the sums that hold a
                 gradient; the last traced micro-step's (``traced_slots``) if
                 ``None``, all of them before any.
+            noise_measured: Whether the noise scale measures this update
+                (``noise_scale_every``): a Python boolean where the caller
+                knows, ``None`` to read it from ``update_count`` at run time.
         """
         slots = self._slots()
         if present is None:
@@ -914,10 +927,10 @@ class GradientAccumulator(tf.Module):
             sum_across_replicas_if(
                 is_update_step,
                 plan.values_to_reduce(),
-                lambda *reduced: self._update(plan, reduced, optimizer, variables),
+                lambda *reduced: self._update(plan, reduced, optimizer, variables, noise_measured),
             )
 
-    def _update(self, plan, reduced, optimizer, variables):
+    def _update(self, plan, reduced, optimizer, variables, noise_measured=None):
         """The update (replica context): ``sum_c G_c / W_c`` to ``optimizer``, then a reset."""
         sums, weights, statistic_sums = plan.split(reduced)
         for (_, apply_statistics), total in zip(plan.statistics, statistic_sums):
@@ -926,11 +939,22 @@ class GradientAccumulator(tf.Module):
         mean_grads = [
             None if m is None else ops.cast(m, var.dtype) for var, m in zip(variables, means)
         ]
-        if self._track_gradient_norm or self._noise_scale_decay is not None:
+        noise = self._noise_scale_decay is not None and noise_measured is not False
+        decide_at_run_time = noise_measured is None and self._noise_scale_every > 1
+        if noise and decide_at_run_time and not self._track_gradient_norm:
+            # Decided at run time (`noise_scale_every`): the group's norm
+            # only in the updates that measure.
+            def measure():
+                norm = self._mean_gradient_norm(mean_grads, optimizer)
+                self._update_noise_scale(ops.square(norm))
+                return ops.zeros((), "float32")
+
+            tf.cond(self.noise_update_measured(), measure, lambda: ops.zeros((), "float32"))
+        elif self._track_gradient_norm or noise:
             norm = self._mean_gradient_norm(mean_grads, optimizer)
             if self._track_gradient_norm:
                 self.gradient_norm.assign(norm)
-            if self._noise_scale_decay is not None:
+            if noise:
                 self._update_noise_scale(ops.square(norm))
         if self._gradient_transform is not None:
             # Not applied to maxima, which are values to assign, not gradients.
@@ -946,6 +970,16 @@ class GradientAccumulator(tf.Module):
         # benchmarks page has the figures).
         with tf.control_dependencies([tf.convert_to_tensor(v) for v in variables]):
             self.reset(_has_loss_scale(optimizer))
+
+    def noise_update_measured(self):
+        """Whether the noise scale measures the coming update: every ``noise_scale_every``-th.
+
+        A boolean tensor (replica context, before the update's count moves):
+        updates ``0, m, 2m, ...`` of ``update_count``.
+        """
+        if self._noise_scale_every == 1:
+            return tf.constant(True)
+        return ops.equal(self.update_count.read_value() % self._noise_scale_every, 0)
 
     def add_noise_summary(self, summary):
         """Adds one micro-batch's summary (:func:`noise_scale.micro_batch_summary`)."""

@@ -370,9 +370,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         with ``B`` the global accumulated batch (every replica's micro-batches
         of the group). Call in replica context, in every replica.
         """
-        count, origin, residual, m2 = merge_replica_summaries(
-            *(summaries[:, i] for i in range(4))
-        )
+        count, origin, residual, m2 = merge_replica_summaries(*(summaries[:, i] for i in range(4)))
         update = ops.convert_to_tensor(True)
         self._update_moving_statistics(
             update, count, origin + residual, variance_from_moments(count, m2)
@@ -454,9 +452,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
                 replica_context.all_gather(local, axis=0),
                 (replicas, 4, self.moving_mean.shape[0]),
             )
-            count, mean, residual, m2 = merge_replica_summaries(
-                *(gathered[:, i] for i in range(4))
-            )
+            count, mean, residual, m2 = merge_replica_summaries(*(gathered[:, i] for i in range(4)))
         return count, mean, residual, m2
 
     def _accumulate(self, count, mean, residual, m2):

@@ -40,6 +40,7 @@ from gradient_accumulator.validation import (
     check_agc_arguments,
     check_bool,
     check_keyword_arguments,
+    check_positive_integer,
     check_unit_interval,
 )
 from gradient_accumulator.weighting import (
@@ -66,6 +67,7 @@ _WRAPPER_ARGUMENTS = (
     "noise_scale",
     "noise_scale_smoothing",
     "noise_scale_micro_batches",
+    "noise_scale_every",
 )
 
 # What `keras.Model` takes besides them: a functional model's `inputs`,
@@ -225,6 +227,12 @@ class GradientAccumulateModel(keras.Model):
             sample of one, unbiased, so noisier estimates), for whom the
             reduction is a large part of a micro-step (a small model under
             XLA on a CPU; see the guide's figures). Defaults to ``"all"``.
+        noise_scale_every: Integer >= 1: the noise scale measures one update
+            in that many (updates ``0, m, 2m, ...`` of the accumulator's
+            count; the others leave the moving averages and logged figures
+            as they are, and cost nothing). Where one reduction per update
+            is still too much; the estimates' standard error grows by about
+            its square root. Defaults to ``1``.
         **kwargs: Passed to ``keras.Model``, usually ``inputs=`` and
             ``outputs=``.
 
@@ -254,6 +262,7 @@ class GradientAccumulateModel(keras.Model):
         noise_scale: bool = False,
         noise_scale_smoothing: float = 0.95,
         noise_scale_micro_batches: str = "all",
+        noise_scale_every: int = 1,
         **kwargs,
     ):
         check_keyword_arguments(
@@ -289,6 +298,7 @@ class GradientAccumulateModel(keras.Model):
                 f"noise_scale_micro_batches={noise_scale_micro_batches!r}"
             )
         self.noise_scale_micro_batches = noise_scale_micro_batches
+        self.noise_scale_every = check_positive_integer("noise_scale_every", noise_scale_every)
         if self.noise_scale and self.coupled_loss is not None:
             raise ValueError(
                 "`noise_scale=True` compares each micro-batch's own gradient with its "
@@ -505,7 +515,11 @@ class GradientAccumulateModel(keras.Model):
         With ``noise_scale_micro_batches="last"``, the group's last
         micro-step only measures its gradient: ``place.ends_group`` (a
         Python boolean) says which it is in a group's function,
-        ``is_update_step`` (a tensor) in Keras's train step.
+        ``is_update_step`` (a tensor) in Keras's train step. With
+        ``noise_scale_every > 1``, only the updates that
+        :meth:`GradientAccumulator.noise_update_measured` names:
+        ``place.measures`` (a Python boolean) in a group's function, the
+        accumulator's count at run time otherwise.
         """
         accumulator = self._accumulator
         _, found = micro_loss.partition()
@@ -519,6 +533,9 @@ class GradientAccumulateModel(keras.Model):
                 f"{accumulator.num_classes} normaliser class(es), reductions {kinds}, "
                 f"{len(micro_loss.additional_losses)} additional loss term(s)"
             )
+        if place is not None and place.measures is False:
+            # An update the noise scale skips (`noise_scale_every`): nothing to add.
+            return
         weight = ops.cast(divisors[0], "float32")
         scale = ops.cast(self.optimizer.scale_loss(tf.constant(1.0)), "float32")
         # The training loss is the replica's share (divided by the replicas).
@@ -528,18 +545,27 @@ class GradientAccumulateModel(keras.Model):
         def squared_norm():
             return noise_scale_module.squared_norm(class_grads[0], accumulator._takes_maximum)
 
+        # Whether this micro-batch is measured: Python booleans where known
+        # when traced (a group's own steps: `place`), tensors otherwise.
+        static, at_run_time = True, []
+        if self.noise_scale_every > 1 and (place is None or place.measures is None):
+            at_run_time.append(accumulator.noise_update_measured())
+        if self._noise_measures_last():
+            ends = is_update_step if place is None else place.ends_group
+            if isinstance(ends, bool):
+                static = ends
+            else:
+                at_run_time.append(ends)
         measured = None
-        if not self._noise_measures_last():
+        if not static:
+            squared, measured = ops.zeros((), "float32"), tf.constant(False)
+        elif not at_run_time:
             squared = squared_norm()
         else:
-            # A group's own steps know whether they end it when traced
-            # (Python); Keras's train step knows it at run time.
-            measured = is_update_step if place is None else place.ends_group
-            if isinstance(measured, bool):
-                squared = squared_norm() if measured else ops.zeros((), "float32")
-                measured = tf.constant(measured)
-            else:
-                squared = tf.cond(measured, squared_norm, lambda: ops.zeros((), "float32"))
+            measured = at_run_time[0]
+            for condition in at_run_time[1:]:
+                measured = ops.logical_and(measured, condition)
+            squared = tf.cond(measured, squared_norm, lambda: ops.zeros((), "float32"))
         summary = noise_scale_module.micro_batch_summary(squared, factor, size, measured)
         accumulator.add_noise_summary(summary)
 
@@ -576,8 +602,11 @@ class GradientAccumulateModel(keras.Model):
             self._group_loss.end(loss_tracker(self), condition)
         self._update(condition)
 
-    def _update(self, condition):
+    def _update(self, condition, noise_measured=None):
         """The group's update, if ``condition`` (replica context).
+
+        ``noise_measured``: whether the noise scale measures this update
+        (a Python boolean where the runner knows; ``None``: at run time).
 
         The group's mean gradient to the optimizer, then the sums emptied
         (:meth:`GradientAccumulator.apply_if`); layers whose statistics
@@ -587,7 +616,11 @@ class GradientAccumulateModel(keras.Model):
         micro-step.
         """
         self._accumulator.apply_if(
-            condition, self.optimizer, self.trainable_variables, self._replica_statistics()
+            condition,
+            self.optimizer,
+            self.trainable_variables,
+            self._replica_statistics(),
+            noise_measured=noise_measured,
         )
 
     def _forward(self, x, y, sample_weight, is_first):
@@ -936,6 +969,7 @@ class GradientAccumulateModel(keras.Model):
                 reduce_every_micro_step=self.reduce_every_micro_step,
                 track_gradient_norm=self.gradient_norm,
                 noise_scale_decay=self.noise_scale_smoothing if self.noise_scale else None,
+                noise_scale_every=self.noise_scale_every,
                 name="gradient_accumulator",
             )
             # Not tracked: a plain object (the group's loss sums are transient).

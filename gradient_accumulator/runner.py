@@ -128,12 +128,16 @@ class Place:
         ends_group: Python boolean, whether it is the group's last (its
             forward pass then moves the statistics of layers that follow the
             update boundary).
+        measures: Whether the noise scale measures the group
+            (``noise_scale_every``): a Python boolean, or ``None`` to read
+            it from the accumulator's count at run time.
     """
 
-    def __init__(self, index, length, ends_group):
+    def __init__(self, index, length, ends_group, measures=None):
         self.index = index
         self.length = length
         self.ends_group = ends_group
+        self.measures = measures
 
 
 def after(done, data):
@@ -203,6 +207,9 @@ class GroupRunner:
         self._functions = {}
         self.epoch_boundary = None  # an EpochBoundary while `fit` runs
         self._fit_steps_per_execution = None
+        # The accumulator's update count at the coming group, where known
+        # in Python (`_measures_next_group`); `None` to read it.
+        self._next_update = None
 
     # ------------------------------------------------------------------
     # fit's loop
@@ -225,6 +232,7 @@ class GroupRunner:
         """
         model = self._model
         self.epoch_boundary = EpochBoundary(model)
+        self._next_update = None
         self._fit_steps_per_execution = model.steps_per_execution
         model.steps_per_execution = model.accum_steps * self._fit_steps_per_execution
         return self.epoch_boundary
@@ -268,21 +276,47 @@ class GroupRunner:
         if self.case() == MICRO_STEPS:
             if coupled:
                 self._refuse_micro_steps()
+            self._next_update = None
             return self.micro_steps_function()(iterator, per_call)
         count = min(per_call, boundary.epoch_steps - boundary.first_step)
-        group = self.coupled_group_function() if coupled else self.group_function()
         logs = None
         for start in range(0, count, model.accum_steps):
             length = min(model.accum_steps, count - start)
+            if coupled:
+                group = self.coupled_group_function()
+            else:
+                group = self.group_function(self._measures_next_group())
             logs = group(iterator, tf.constant(length, "int32"))
         return logs
+
+    def _measures_next_group(self):
+        """Whether the noise scale measures the coming group's update (Python boolean).
+
+        Every group with ``noise_scale_every=1`` (and without the noise
+        scale: the flag is then unused). Otherwise the accumulator's count,
+        read once (a device sync) after any update this runner did not
+        count, then counted here: the updates
+        :meth:`GradientAccumulator.noise_update_measured` names.
+        """
+        model = self._model
+        every = model.noise_scale_every if model.noise_scale else 1
+        if every == 1:
+            return True
+        if self._next_update is None:
+            self._next_update = int(model._accumulator.update_count.numpy())
+        measures = self._next_update % every == 0
+        self._next_update += 1
+        return measures
 
     # ------------------------------------------------------------------
     # Whole groups
     # ------------------------------------------------------------------
 
-    def group_function(self):
+    def group_function(self, measures=True):
         """One whole group: ``(iterator, length) -> logs``, compiled once for every length.
+
+        ``measures``: whether the noise scale measures its update (a
+        Python boolean: one function each).
 
         ``length`` (an int32 scalar, 1 to ``accum_steps``) micro-batches are
         fetched from ``iterator``. The ``length - 1`` first micro-steps run
@@ -294,9 +328,10 @@ class GroupRunner:
         update. A micro-step is traced twice whatever the length (in the
         loop and last), one fetch each.
         """
-        if "group" not in self._functions:
+        key = ("group", measures)
+        if key not in self._functions:
             model = self._model
-            adding, last, update = self._group_steps()
+            adding, last, update = self._group_steps(measures)
 
             def group(iterator, length):
                 def adding_one(index, done):
@@ -315,8 +350,8 @@ class GroupRunner:
 
             if not model.run_eagerly:
                 group = tf.function(group, reduce_retracing=True, autograph=False)
-            self._functions["group"] = group
-        return self._functions["group"]
+            self._functions[key] = group
+        return self._functions[key]
 
     def _refuse_micro_steps(self):
         model = self._model
@@ -499,8 +534,10 @@ class GroupRunner:
             update = tf.function(update, jit_compile=True, autograph=False)
         return forward, loss, backward, update
 
-    def _group_steps(self):
+    def _group_steps(self, measures):
         """The group's ``(adding, last, update)`` callables, in graph or in XLA mode.
+
+        ``measures``: whether the noise scale measures the group (Python boolean).
 
         ``adding`` and ``last`` map ``(data, index, length)`` to ``(marker,
         logs)``: the marker is a tensor computed once the micro-step's
@@ -512,7 +549,7 @@ class GroupRunner:
 
         def step(ends_group):
             def run(data, index, length):
-                place = Place(index, length, ends_group)
+                place = Place(index, length, ends_group, measures)
                 marker, logs = strategy.run(self._step_in_replica, args=(data, place))
                 marker = ops.sum(ops.stack(strategy.experimental_local_results(marker)))
                 return marker, reduce_replica_logs(logs, strategy)
@@ -520,7 +557,7 @@ class GroupRunner:
             return run
 
         def update():
-            strategy.run(model._update, args=(True,))
+            strategy.run(model._update, args=(True, measures))
 
         if not (model.jit_compile and not model.run_eagerly):
             return step(False), step(True), update
@@ -533,10 +570,10 @@ class GroupRunner:
             return tf.function(fn, reduce_retracing=True, jit_compile=True, autograph=False)
 
         adding = compiled(step(False))
-        last_differs = model._statistics_layers() or model._noise_measures_last()
+        last_differs = model._statistics_layers() or (measures and model._noise_measures_last())
         last = compiled(step(True)) if last_differs else adding
-        self._functions["xla"] = (adding, last, compiled(update))
-        return self._functions["xla"]
+        self._functions[("xla", measures)] = (adding, last, compiled(update))
+        return self._functions[("xla", measures)]
 
     def _step_in_replica(self, data, place):
         """One micro-step at ``place`` (replica context): ``(marker, logs)``.
@@ -556,6 +593,7 @@ class GroupRunner:
         gradients; the last one's logs are returned after the update.
         """
         model = self._model
+        self._next_update = None
         done = None
         length = len(batches)
         for index, data in enumerate(batches[:-1]):
@@ -614,6 +652,7 @@ class GroupRunner:
     def apply_pending(self):
         """Applies a non-empty, unfinished group now (eagerly); otherwise does nothing."""
         model = self._model
+        self._next_update = None
         if int(model._accumulator.micro_step.numpy()) == 0:
             return
         if "pending" not in self._functions:

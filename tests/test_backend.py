@@ -33,9 +33,7 @@ def test_unsupported_backend_raises_import_error(env, expected):
     import re
 
     stderr = _import_error(env)
-    assert (
-        "ImportError: gradient_accumulator supports TensorFlow >= 2.16 with Keras >= " in stderr
-    )
+    assert "ImportError: gradient_accumulator supports TensorFlow >= 2.16 with Keras >= " in stderr
     assert re.search(expected, stderr), stderr
 
 
@@ -66,7 +64,7 @@ def test_missing_tensorflow_names_the_install_command(tmp_path):
 def test_too_old_tensorflow_names_the_version_found_and_the_fix(tmp_path):
     _fake_module(tmp_path, "tensorflow", "2.15.1")
     stderr = _import_with(tmp_path, "")
-    assert "Found tensorflow==2.15.1. Upgrade it: pip install -U \"tensorflow>=2.16\"" in stderr
+    assert 'Found tensorflow==2.15.1. Upgrade it: pip install -U "tensorflow>=2.16"' in stderr
     assert "use gradient_accumulator 0.5" in stderr
 
 

@@ -384,3 +384,5 @@ def test_fit_time_times_noise_scale_beside_the_library(tmp_path):
         assert entry["noise_scale_over_library"] > 0
         assert entry["noise_scale_cpu_over_library"] > 0
         assert entry["noise_scale_last_over_library"] > 0
+        assert entry["noise_scale_last_every_cpu_over_library"] > 0
+        assert entry["noise_scale_every"] == 4

@@ -231,9 +231,10 @@ def test_each_mean_is_written_into_its_sum_one_variable_after_the_other():
             waits_for = [
                 op.inputs[0] for op in read.control_inputs if op.type == "AssignVariableOp"
             ]
-            assert any(
-                any(handle is t for t in handles_in(previous)) for handle in waits_for
-            ), (acc.name, [op.name for op in read.control_inputs])
+            assert any(any(handle is t for t in handles_in(previous)) for handle in waits_for), (
+                acc.name,
+                [op.name for op in read.control_inputs],
+            )
         previous = acc
 
 
@@ -262,9 +263,11 @@ def test_a_decision_known_when_traced_puts_no_conditional_around_the_update():
     assert "AssignVariableOp" in _ops_using(graph, optimizer.iterations)
     assert len(control_flow(graph)) == 1
     assert control_flow(graph, accumulator) == []
-    accumulating = tf.function(
-        lambda grads: accumulator.step(grads, 0.5, False, optimizer, variables)
-    ).get_concrete_function(grads).graph
+    accumulating = (
+        tf.function(lambda grads: accumulator.step(grads, 0.5, False, optimizer, variables))
+        .get_concrete_function(grads)
+        .graph
+    )
     for acc in accumulator.gradient_sums:
         assert _ops_using(accumulating, acc) == ["AssignAddVariableOp"], acc.name
     group([g / 2 for g in grads])  # gradients of loss / 2, each micro-step

@@ -91,17 +91,38 @@ def test_estimates_are_the_closed_form_within_their_standard_error(
         assert abs(mean - truth) < 4 * error, (key, mean, error, truth)
 
 
-@pytest.mark.parametrize("mode", ["graph", "jit", "unknown_length"])
-@pytest.mark.parametrize("measured", ["all", "last"])
-def test_each_update_s_estimates_are_numpy_s_from_the_measured_micro_batches(measured, mode):
+@pytest.mark.parametrize(
+    "measured, every, mode",
+    [
+        ("all", 1, "graph"),
+        ("all", 1, "jit"),
+        ("all", 1, "unknown_length"),
+        ("last", 1, "graph"),
+        ("last", 1, "jit"),
+        ("last", 1, "unknown_length"),
+        ("all", 3, "graph"),
+        ("all", 3, "jit"),
+        ("all", 3, "unknown_length"),
+        ("last", 3, "jit"),
+        ("last", 3, "unknown_length"),
+    ],
+)
+def test_each_update_s_estimates_are_numpy_s_from_the_measured_micro_batches(measured, every, mode):
     # At zero weights (SGD(0)) micro-batch i's mean gradient is
     # -2 x_i^T y_i / b: each update's logged estimates are those of
     # noise_scale.py's formulas from the group's gradient and the measured
     # micro-batches' (all of them, or the group's last only), in numpy.
-    accum_steps, micro_batch, updates = 4, 8, 6
+    # With noise_scale_every=3, updates 0, 3, 6 only: the others log the
+    # previous figures.
+    accum_steps, micro_batch, updates = 4, 8, 7
     options = {"jit_compile": mode == "jit", "unknown_length": mode == "unknown_length"}
     _, logs = noise_regression(
-        accum_steps, micro_batch, updates, noise_scale_micro_batches=measured, **options
+        accum_steps,
+        micro_batch,
+        updates,
+        noise_scale_micro_batches=measured,
+        noise_scale_every=every,
+        **options,
     )
     x, y = noise_regression_data(updates * accum_steps * micro_batch)
     x, y = x.astype("float64"), y.astype("float64")
@@ -111,7 +132,8 @@ def test_each_update_s_estimates_are_numpy_s_from_the_measured_micro_batches(mea
     ]
     assert len(logs) == updates
     for update, entry in enumerate(logs):
-        group = grads[update * accum_steps : (update + 1) * accum_steps]
+        measured_update = update - update % every
+        group = grads[measured_update * accum_steps : (measured_update + 1) * accum_steps]
         chosen = group if measured == "all" else group[-1:]
         small = np.mean([np.sum(g**2) for g in chosen])
         big = np.sum(np.mean(group, axis=0) ** 2)
@@ -205,8 +227,18 @@ def test_a_group_of_one_micro_batch_keeps_the_previous_figures():
         ({"accum_steps": 4, "noise_scale_smoothing": 1.5}, "must be a float in"),
         ({"accum_steps": 4, "coupled_loss": "replica"}, "has no gradient of its own"),
         ({"accum_steps": 4, "noise_scale_micro_batches": "first"}, 'must be "all" or "last"'),
+        ({"accum_steps": 4, "noise_scale_every": 0}, "must be an integer >= 1"),
+        ({"accum_steps": 4, "noise_scale_every": 2.0}, "must be an integer >= 1"),
     ],
-    ids=["accum_steps_1", "smoothing_1", "smoothing_out_of_range", "coupled_loss", "micro_batches"],
+    ids=[
+        "accum_steps_1",
+        "smoothing_1",
+        "smoothing_out_of_range",
+        "coupled_loss",
+        "micro_batches",
+        "every_0",
+        "every_float",
+    ],
 )
 def test_what_has_no_noise_scale_is_refused(arguments, message):
     with pytest.raises(ValueError, match=message):
@@ -228,10 +260,13 @@ def test_a_regularized_model_is_refused():
 @pytest.mark.slow
 def test_two_replicas_estimate_the_closed_form():
     # Each replica's micro-batch is a small batch; B is the global batch.
+    # With noise_scale_every=4, updates 0, 4, ... only (100 estimates).
     results = script_results(run_script_module("mirrored_noise_scale", [], timeout=900))
     assert results["replicas"] == 2
-    for case in ("k4", "k1", "k4_last"):
+    for case in ("k4", "k1", "k4_last", "k4_every4"):
         assert results[case]["updates"] == 400
+        assert results[case]["others_repeat"], case
+        assert results[case]["measured"] == (100 if case == "k4_every4" else 400)
         for key in ("trace", "signal"):
             mean, error = results[case][key]
             truth = results[key]
@@ -247,6 +282,7 @@ def test_the_arguments_are_saved(tmp_path):
         noise_scale=True,
         noise_scale_smoothing=0.8,
         noise_scale_micro_batches="last",
+        noise_scale_every=3,
         gradient_norm=True,
     )
     model.compile("sgd", "mse")
@@ -256,7 +292,7 @@ def test_the_arguments_are_saved(tmp_path):
     model.save(path)
     loaded = keras.saving.load_model(path)
     saved = (("noise_scale", True), ("noise_scale_smoothing", 0.8))
-    for name, value in (*saved, ("noise_scale_micro_batches", "last")):
+    for name, value in (*saved, ("noise_scale_micro_batches", "last"), ("noise_scale_every", 3)):
         assert model.get_config()[name] == getattr(loaded, name) == value
     assert loaded.gradient_norm is True
     history = loaded.fit(x, y, batch_size=8, verbose=0)

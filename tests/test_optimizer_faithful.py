@@ -83,9 +83,7 @@ def test_compile_with_run_eagerly_fits_as_the_big_batch(accum_steps):
     y = np.random.default_rng(1).normal(size=(24, 2)).astype("float32")
     model, reference = _dense(), _dense()
     model.compile(
-        optimizer=GradientAccumulateOptimizer(
-            keras.optimizers.Adam(0.01), accum_steps=accum_steps
-        ),
+        optimizer=GradientAccumulateOptimizer(keras.optimizers.Adam(0.01), accum_steps=accum_steps),
         loss="mse",
         run_eagerly=True,
     )

@@ -96,9 +96,7 @@ def shards(strategy, folder):
         model = _model(strategy, layer, accum_steps=2, average_batchnorm_statistics=False)
         callbacks = []
         if name == "accum_bn":
-            callbacks = [
-                keras.callbacks.ModelCheckpoint(checkpoint, save_weights_only=True)
-            ]
+            callbacks = [keras.callbacks.ModelCheckpoint(checkpoint, save_weights_only=True)]
         history = model.fit(
             x,
             y,

@@ -324,6 +324,7 @@ def loop_tokens(strategy):
     reference = build_tagger()
     reference.compile(OPTIMIZERS["sgd"](), loss)
     reference.fit(x, tags, batch_size=BIG_BATCH, epochs=2, shuffle=False, verbose=0)
+
     def token_loss(model, optimizer, xb, yb):
         logits = model(xb, training=True)
         per_token = keras.losses.sparse_categorical_crossentropy(yb, logits, from_logits=True)
