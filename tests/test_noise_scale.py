@@ -29,6 +29,7 @@ from tests.helpers import (
     noise_regression,
     noise_regression_data,
     run_script_module,
+    run_workers,
     script_results,
     unknown_length_dataset,
 )
@@ -258,20 +259,30 @@ def test_a_regularized_model_is_refused():
 
 
 @pytest.mark.slow
-def test_two_replicas_estimate_the_closed_form():
+@pytest.mark.parametrize("kind", ["mirrored", "multi_worker"])
+def test_two_replicas_estimate_the_closed_form(kind):
     # Each replica's micro-batch is a small batch; B is the global batch.
     # With noise_scale_every=4, updates 0, 4, ... only (100 estimates).
-    results = script_results(run_script_module("mirrored_noise_scale", [], timeout=900))
-    assert results["replicas"] == 2
-    for case in ("k4", "k1", "k4_last", "k4_every4"):
-        assert results[case]["updates"] == 400
-        assert results[case]["others_repeat"], case
-        assert results[case]["measured"] == (100 if case == "k4_every4" else 400)
-        for key in ("trace", "signal"):
-            mean, error = results[case][key]
-            truth = results[key]
-            assert error < 0.15 * truth, (case, key, results)
-            assert abs(mean - truth) < 4 * error, (case, key, results)
+    # MirroredStrategy over two logical CPUs, or two workers on loopback
+    # (each worker counts the updates, and must choose as the other does).
+    if kind == "mirrored":
+        outputs = [run_script_module("mirrored_noise_scale", [], timeout=900)]
+        cases = ("k4", "k1", "k4_last", "k4_every4")
+    else:
+        outputs = [out for _, out, _ in run_workers("mirrored_noise_scale", args=(kind,))]
+        cases = ("k4", "k4_every4")
+    for output in outputs:
+        results = script_results(output)
+        assert results["replicas"] == 2
+        for case in cases:
+            assert results[case]["updates"] == 400
+            assert results[case]["others_repeat"], case
+            assert results[case]["measured"] == (100 if case == "k4_every4" else 400)
+            for key in ("trace", "signal"):
+                mean, error = results[case][key]
+                truth = results[key]
+                assert error < 0.15 * truth, (case, key, results)
+                assert abs(mean - truth) < 4 * error, (case, key, results)
 
 
 def test_the_arguments_are_saved(tmp_path):

@@ -1,6 +1,10 @@
 """The gradient noise scale under MirroredStrategy (2 logical CPUs) against its closed form.
 
-Run: ``python -m tests.scripts.mirrored_noise_scale``. The regression of
+Run: ``python -m tests.scripts.mirrored_noise_scale`` (MirroredStrategy over 2
+logical CPUs), or ``python -m tests.scripts.mirrored_noise_scale multi_worker``
+on every worker of a cluster described by ``TF_CONFIG``
+(``tests.helpers.run_workers``; MultiWorkerMirroredStrategy, one CPU replica
+each: the cases ``k4`` and ``k4_every4`` only). The regression of
 ``tests/test_noise_scale.py`` (``tests.helpers.noise_regression``) at the
 global micro-batch 8 (4 per replica: each replica's micro-batch is a small
 batch), ``accum_steps`` 4 and 1 (two replicas still give two small batches
@@ -13,6 +17,8 @@ line, per case: the mean and standard error of each measured update's
 measured ones logged the previous figures, and the closed form.
 """
 
+import sys
+
 import keras
 import tensorflow as tf
 
@@ -23,13 +29,18 @@ REPLICAS = 2
 UPDATES = 400
 
 
-def main():
-    devices = split_cpu(REPLICAS)
-    strategy = tf.distribute.MirroredStrategy(devices)
+def main(kind="mirrored"):
+    if kind == "multi_worker":
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    else:
+        strategy = tf.distribute.MirroredStrategy(split_cpu(REPLICAS))
     trace, signal = noise_closed_form()
     results = {"replicas": strategy.num_replicas_in_sync, "trace": trace, "signal": signal}
-    cases = (("k4", 4, "all", 1), ("k1", 1, "all", 1), ("k4_last", 4, "last", 1))
-    for case, accum_steps, measured, every in (*cases, ("k4_every4", 4, "all", 4)):
+    cases = [("k4", 4, "all", 1), ("k1", 1, "all", 1), ("k4_last", 4, "last", 1)]
+    cases.append(("k4_every4", 4, "all", 4))
+    if kind == "multi_worker":
+        cases = [cases[0], cases[-1]]
+    for case, accum_steps, measured, every in cases:
         _, logs = noise_regression(
             accum_steps,
             8,
@@ -57,4 +68,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(*sys.argv[1:])
