@@ -319,12 +319,12 @@ def choose_micro_batch(
     >>> import keras, numpy as np
     >>> from gradient_accumulator import GradientAccumulateModel, choose_micro_batch
     >>> def build(accum_steps):
-    ...     inputs = keras.Input((32,))
-    ...     outputs = keras.layers.Dense(10)(keras.layers.Dense(256)(inputs))
+    ...     inputs = keras.Input((128,))
+    ...     outputs = keras.layers.Dense(10)(keras.layers.Dense(2048)(inputs))
     ...     model = GradientAccumulateModel(accum_steps=accum_steps, inputs=inputs, outputs=outputs)
     ...     model.compile(optimizer="sgd", loss="mse")
     ...     return model
-    >>> x, y = np.ones((64, 32), "float32"), np.ones((64, 10), "float32")
+    >>> x, y = np.ones((64, 128), "float32"), np.ones((64, 10), "float32")
     >>> choice = choose_micro_batch(build, x, y, batch_size=64, memory_budget="1 GiB", verbose=0)
     >>> choice.micro_batch, choice.accum_steps
     (64, 1)
