@@ -128,7 +128,9 @@ def child(config):
             walls[name].append(wall / steps)
             cpus[name].append(cpu / steps)
     functions = library._runner._functions
-    traced = [functions["group"], *functions.get("xla", ())[:1], *functions.get("xla", ())[2:]]
+    # Without the noise scale every group is traced as one that measures.
+    xla = functions.get(("xla", True), ())
+    traced = [functions[("group", True)], *xla[:1], *xla[2:]]
     record = {
         **config,
         "micro_batch": MICRO_BATCH,
