@@ -218,8 +218,8 @@ class GradientAccumulateModel(keras.Model):
             or several replicas), a loss of one normaliser, no regularizer.
             Defaults to ``False``.
         noise_scale_smoothing: Float in [0, 1), the weight the moving
-            averages of the two estimates keep at each update. Defaults to
-            ``0.95``.
+            averages of the two estimates keep at each measured update
+            (see ``noise_scale_every``). Defaults to ``0.95``.
         noise_scale_micro_batches: ``"all"`` or ``"last"``: which of a
             group's micro-batches the noise scale measures the gradient of.
             ``"all"`` costs one squared-norm reduction per micro-step;
@@ -230,7 +230,8 @@ class GradientAccumulateModel(keras.Model):
         noise_scale_every: Integer >= 1: the noise scale measures one update
             in that many (updates ``0, m, 2m, ...`` of the accumulator's
             count; the others leave the moving averages and logged figures
-            as they are, and cost nothing). Where one reduction per update
+            as they are, and, in ``fit`` on data of known length, run no
+            reduction and no conditional). Where one reduction per update
             is still too much; the estimates' standard error grows by about
             its square root. Defaults to ``1``.
         **kwargs: Passed to ``keras.Model``, usually ``inputs=`` and
@@ -852,6 +853,7 @@ class GradientAccumulateModel(keras.Model):
             self._accumulator.load_state(
                 store, f"model '{self.name}'", variables=self.trainable_variables
             )
+        self._runner.forget_update_count()
 
     def _clip_adaptively(self, grads, variables):
         return adaptive_clip_gradients(grads, variables, self.clip_factor, self.eps)

@@ -232,7 +232,7 @@ class GroupRunner:
         """
         model = self._model
         self.epoch_boundary = EpochBoundary(model)
-        self._next_update = None
+        self.forget_update_count()
         self._fit_steps_per_execution = model.steps_per_execution
         model.steps_per_execution = model.accum_steps * self._fit_steps_per_execution
         return self.epoch_boundary
@@ -268,15 +268,16 @@ class GroupRunner:
         boundary = self.epoch_boundary
         # `fit`'s loop expects `steps_per_execution` groups of a call (its
         # own value, restored by then: see `begin_fit`); `train_on_batch`
-        # one batch.
-        per_call = model.steps_per_execution
+        # one batch, whatever `steps_per_execution` is (its iterator holds
+        # one).
+        per_call = 1
         if boundary is not None:
-            per_call *= model.accum_steps
+            per_call = model.steps_per_execution * model.accum_steps
         coupled = model.coupled_loss is not None and model.accum_steps > 1
         if self.case() == MICRO_STEPS:
             if coupled:
                 self._refuse_micro_steps()
-            self._next_update = None
+            self.forget_update_count()
             return self.micro_steps_function()(iterator, per_call)
         count = min(per_call, boundary.epoch_steps - boundary.first_step)
         logs = None
@@ -288,6 +289,15 @@ class GroupRunner:
                 group = self.group_function(self._measures_next_group())
             logs = group(iterator, tf.constant(length, "int32"))
         return logs
+
+    def forget_update_count(self):
+        """The accumulator's update count may have moved outside this runner's view: read it again.
+
+        Called where updates run that ``_measures_next_group`` does not
+        count (micro-steps, ``group_step``, a group applied early) and where
+        the count is set (a new ``fit``, a loaded file).
+        """
+        self._next_update = None
 
     def _measures_next_group(self):
         """Whether the noise scale measures the coming group's update (Python boolean).
@@ -593,7 +603,7 @@ class GroupRunner:
         gradients; the last one's logs are returned after the update.
         """
         model = self._model
-        self._next_update = None
+        self.forget_update_count()
         done = None
         length = len(batches)
         for index, data in enumerate(batches[:-1]):
@@ -652,7 +662,7 @@ class GroupRunner:
     def apply_pending(self):
         """Applies a non-empty, unfinished group now (eagerly); otherwise does nothing."""
         model = self._model
-        self._next_update = None
+        self.forget_update_count()
         if int(model._accumulator.micro_step.numpy()) == 0:
             return
         if "pending" not in self._functions:

@@ -104,15 +104,13 @@ def test_estimates_are_the_closed_form_within_their_standard_error(
         ("all", 3, "graph"),
         ("all", 3, "jit"),
         ("all", 3, "unknown_length"),
+        ("last", 3, "graph"),
         ("last", 3, "jit"),
         ("last", 3, "unknown_length"),
     ],
 )
 def test_each_update_s_estimates_are_numpy_s_from_the_measured_micro_batches(measured, every, mode):
-    # At zero weights (SGD(0)) micro-batch i's mean gradient is
-    # -2 x_i^T y_i / b: each update's logged estimates are those of
-    # noise_scale.py's formulas from the group's gradient and the measured
-    # micro-batches' (all of them, or the group's last only), in numpy.
+    # Each update's logged estimates are numpy's (`_numpy_estimates`).
     # With noise_scale_every=3, updates 0, 3, 6 only: the others log the
     # previous figures.
     accum_steps, micro_batch, updates = 4, 8, 7
@@ -125,25 +123,97 @@ def test_each_update_s_estimates_are_numpy_s_from_the_measured_micro_batches(mea
         noise_scale_every=every,
         **options,
     )
-    x, y = noise_regression_data(updates * accum_steps * micro_batch)
-    x, y = x.astype("float64"), y.astype("float64")
-    grads = [
-        -2.0 * x[i : i + micro_batch].T @ y[i : i + micro_batch] / micro_batch
-        for i in range(0, len(x), micro_batch)
-    ]
+    x, _ = noise_regression_data(updates * accum_steps * micro_batch)
     assert len(logs) == updates
     for update, entry in enumerate(logs):
         measured_update = update - update % every
-        group = grads[measured_update * accum_steps : (measured_update + 1) * accum_steps]
-        chosen = group if measured == "all" else group[-1:]
-        small = np.mean([np.sum(g**2) for g in chosen])
-        big = np.sum(np.mean(group, axis=0) ** 2)
-        inverse_small, inverse_big = 1.0 / micro_batch, 1.0 / (accum_steps * micro_batch)
-        gap = inverse_small - inverse_big
-        trace = (small - big) / gap
-        signal = (inverse_small * big - inverse_big * small) / gap
-        np.testing.assert_allclose(entry["noise_scale_trace"], trace, rtol=1e-4, err_msg=update)
-        np.testing.assert_allclose(entry["noise_scale_signal"], signal, rtol=1e-4, err_msg=update)
+        expected = _numpy_estimates(measured_update, measured, accum_steps, micro_batch, len(x))
+        for key, value in expected.items():
+            np.testing.assert_allclose(entry[key], value, rtol=1e-4, err_msg=(key, update))
+
+
+def _numpy_estimates(group, measured, accum_steps, micro_batch, num_samples):
+    """Group ``group``'s estimates on noise_regression_data(num_samples), in numpy.
+
+    At zero weights (SGD(0)) micro-batch i's mean gradient is
+    ``-2 x_i^T y_i / b``; the estimates are noise_scale.py's formulas from
+    the group's gradient and the measured micro-batches' (all of them, or
+    the group's last only).
+    """
+    x, y = noise_regression_data(num_samples)
+    x, y = x.astype("float64"), y.astype("float64")
+    start = group * accum_steps * micro_batch
+    grads = [
+        -2.0 * x[i : i + micro_batch].T @ y[i : i + micro_batch] / micro_batch
+        for i in range(start, start + accum_steps * micro_batch, micro_batch)
+    ]
+    chosen = grads if measured == "all" else grads[-1:]
+    small = np.mean([np.sum(g**2) for g in chosen])
+    big = np.sum(np.mean(grads, axis=0) ** 2)
+    inverse_small, inverse_big = 1.0 / micro_batch, 1.0 / (accum_steps * micro_batch)
+    gap = inverse_small - inverse_big
+    return {
+        "noise_scale_trace": (small - big) / gap,
+        "noise_scale_signal": (inverse_small * big - inverse_big * small) / gap,
+    }
+
+
+def test_the_measured_updates_follow_the_count_across_epochs_calls_and_train_on_batch():
+    # noise_scale_every=3 measures updates 0, 3, 6, ... of the accumulator's
+    # count, whichever call made them: two epochs of 7 updates with
+    # steps_per_execution=2 (Keras logs every second update and the
+    # epoch's last), two groups through train_on_batch (updates 14 and 15:
+    # the second measured), then an epoch of fit from update 16. The group
+    # runner counts in Python within a call: a count that went out of step
+    # with the accumulator's (or started again at each call) would log
+    # another group's estimates.
+    accum_steps, micro_batch, groups, every = 4, 8, 7, 3
+    x, y = noise_regression_data(groups * accum_steps * micro_batch)
+    inputs = keras.Input((NOISE_DIM,))
+    dense = keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")
+    model = GradientAccumulateModel(
+        accum_steps=accum_steps,
+        noise_scale=True,
+        noise_scale_every=every,
+        inputs=inputs,
+        outputs=dense(inputs),
+    )
+    model.compile(keras.optimizers.SGD(0.0), "mse", steps_per_execution=2)
+
+    def expected(update):
+        # The group of data update u trained on: each epoch, and the last
+        # fit, start at group 0 (as do train_on_batch's, updates 14 and 15).
+        measured_update = update - update % every
+        if measured_update < 2 * groups:
+            group = measured_update % groups
+        elif measured_update < 2 * groups + 2:
+            group = measured_update - 2 * groups
+        else:
+            group = measured_update - (2 * groups + 2)
+        return _numpy_estimates(group, "all", accum_steps, micro_batch, len(x))
+
+    def check(entry, update):
+        for key, value in expected(update).items():
+            np.testing.assert_allclose(entry[key], value, rtol=1e-4, err_msg=(key, update))
+
+    logs = BatchLogs()
+    model.fit(x, y, batch_size=micro_batch, epochs=2, shuffle=False, verbose=0, callbacks=[logs])
+    # Per epoch, logs after updates 1, 3, 5 and 6 of the epoch.
+    logged = [epoch * groups + u for epoch in range(2) for u in (1, 3, 5, 6)]
+    assert len(logs.batches) == len(logged)
+    for entry, update in zip(logs.batches, logged):
+        check(entry, update)
+    for group in range(2):
+        for i in range(group * accum_steps, (group + 1) * accum_steps):
+            batch = slice(i * micro_batch, (i + 1) * micro_batch)
+            entry = model.train_on_batch(x[batch], y[batch], return_dict=True)
+        check(entry, 2 * groups + group)
+    assert int(model._accumulator.update_count.numpy()) == 2 * groups + 2
+    logs = BatchLogs()
+    model.fit(x, y, batch_size=micro_batch, shuffle=False, verbose=0, callbacks=[logs])
+    assert len(logs.batches) == 4
+    for entry, u in zip(logs.batches, (1, 3, 5, 6)):
+        check(entry, 2 * groups + 2 + u)
 
 
 @pytest.mark.parametrize("mode", ["graph", "unknown_length"])

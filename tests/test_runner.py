@@ -118,15 +118,22 @@ def test_fit_equals_the_big_batch_for_every_accum_steps(accum_steps, mode, data)
 
 
 @pytest.mark.parametrize(
-    "accum_steps, mode",
-    [(1, "jit"), (33, "graph"), (128, "jit")],
-    ids=["k1-jit", "k33-graph", "k128-jit"],
+    "accum_steps, mode, steps_per_execution",
+    [(1, "jit", 1), (33, "graph", 1), (128, "jit", 1), (4, "graph", 3)],
+    ids=["k1-jit", "k33-graph", "k128-jit", "k4-graph-spe3"],
 )
-def test_train_on_batch_equals_the_big_batch(accum_steps, mode):
+def test_train_on_batch_equals_the_big_batch(accum_steps, mode, steps_per_execution):
+    # train_on_batch is one micro-batch whatever steps_per_execution (a
+    # model compiled for fit with steps_per_execution=3 crashed here).
     x, y = make_regression_data(_samples(accum_steps))
     reference = _reference(x, y, accum_steps, 1, MODES[mode])
     model = build_dense(GradientAccumulateModel, accum_steps=accum_steps)
-    model.compile(OPTIMIZERS["adam"](), "mse", jit_compile=MODES[mode])
+    model.compile(
+        OPTIMIZERS["adam"](),
+        "mse",
+        jit_compile=MODES[mode],
+        steps_per_execution=steps_per_execution,
+    )
     for xb, yb in _micro_batches(x, y):
         model.train_on_batch(xb, yb)
     model.apply_accumulated_gradients()  # the shorter last group

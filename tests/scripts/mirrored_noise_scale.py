@@ -52,7 +52,12 @@ def main(kind="mirrored"):
         keys = ("noise_scale_trace", "noise_scale_signal")
         results[case] = {
             "updates": len(logs),
-            "measured": len(logs[::every]),
+            # Updates whose estimates moved: the measured ones (their data
+            # differ, so their estimates do).
+            "measured": sum(
+                i == 0 or entry["noise_scale_trace"] != logs[i - 1]["noise_scale_trace"]
+                for i, entry in enumerate(logs)
+            ),
             "others_repeat": all(
                 entry[key] == logs[i - i % every][key]
                 for i, entry in enumerate(logs)
