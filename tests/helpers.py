@@ -467,6 +467,36 @@ def noise_regression(
     return model, logs.batches
 
 
+def noise_estimates_numpy(group, small_batches, small_batch, measured, num_samples):
+    """Group ``group``'s noise-scale estimates on ``noise_regression_data(num_samples)``, in numpy.
+
+    At zero weights (SGD(0)) a small batch's mean gradient is
+    ``-2 x^T y / b``. The group is ``small_batches`` consecutive small
+    batches of ``small_batch`` samples (micro-batches; under a strategy each
+    replica's share of one: a global micro-batch's first half is replica
+    0's); its last ``measured`` ones are measured (all of them, or the
+    group's last micro-batch: one small batch per replica). The estimates are
+    noise_scale.py's formulas from the group's gradient and the measured
+    small batches'.
+    """
+    x, y = noise_regression_data(num_samples)
+    x, y = x.astype("float64"), y.astype("float64")
+    start = group * small_batches * small_batch
+    stop = start + small_batches * small_batch
+    grads = [
+        -2.0 * x[i : i + small_batch].T @ y[i : i + small_batch] / small_batch
+        for i in range(start, stop, small_batch)
+    ]
+    small = np.mean([np.sum(g**2) for g in grads[-measured:]])
+    big = np.sum(np.mean(grads, axis=0) ** 2)
+    inverse_small, inverse_big = 1.0 / small_batch, 1.0 / (small_batches * small_batch)
+    gap = inverse_small - inverse_big
+    return {
+        "noise_scale_trace": (small - big) / gap,
+        "noise_scale_signal": (inverse_small * big - inverse_big * small) / gap,
+    }
+
+
 def mean_and_error(values):
     """The mean of ``values`` and its standard error."""
     values = np.asarray(values, dtype="float64")
