@@ -77,7 +77,20 @@ CASES = {
 }
 
 
-def reference_for(build, make, x, y, densify):
+_references = {}
+
+
+def reference_for(case, shard_size, x, y):
+    """The reference of ``case``, trained once per data (``fit_run`` and
+    ``loop_run`` share it where their data are the same)."""
+    build, make, data, densify = CASES[case]
+    key = (case, shard_size if data is None else None)
+    if key not in _references:
+        _references[key] = _train_reference(build, make, x, y, densify)
+    return _references[key]
+
+
+def _train_reference(build, make, x, y, densify):
     if densify:
         return train_big_batches(build, make, x, y, BIG_BATCH, epochs=2, densify=True)[0]
     reference = build()
@@ -102,9 +115,9 @@ def figures(reference, model, optimizer, build):
 
 
 def fit_run(strategy, case):
-    build, make, _, densify = CASES[case]
+    build, make, _, _ = CASES[case]
     x, y = data_for(case, shard_size=8)
-    reference = reference_for(build, make, x, y, densify)
+    reference = reference_for(case, 8, x, y)
     with strategy.scope():
         model = build(GradientAccumulateModel, accum_steps=2)
         model.compile(make(), "mse")
@@ -113,9 +126,9 @@ def fit_run(strategy, case):
 
 
 def loop_run(strategy, case):
-    build, make, _, densify = CASES[case]
+    build, make, _, _ = CASES[case]
     x, y = data_for(case, shard_size=4)
-    reference = reference_for(build, make, x, y, densify)
+    reference = reference_for(case, 4, x, y)
     with strategy.scope():
         model = build()
         optimizer = GradientAccumulateOptimizer(make(), accum_steps=4)
