@@ -685,8 +685,8 @@ def free_ports(count):
 def run_workers(module, num_workers=2, timeout=600, args=(), check=True):
     """Runs ``python -m tests.scripts.<module> *args`` as a MultiWorkerMirroredStrategy cluster.
 
-    Each worker is a fresh process started from the repository root with its
-    own ``TF_CONFIG``, the workers on free loopback ports; returns the
+    Each worker is a fresh process (:func:`run_script_process`) with its own
+    ``TF_CONFIG``, the workers on free loopback ports; returns the
     ``(returncode, stdout, stderr)`` of each, in worker order. With ``check``,
     a worker that fails fails the test with its outputs.
     """
@@ -694,34 +694,130 @@ def run_workers(module, num_workers=2, timeout=600, args=(), check=True):
 
     ports = free_ports(num_workers)
     cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
-    processes = []
-    for index in range(num_workers):
-        tf_config = {"cluster": cluster, "task": {"type": "worker", "index": index}}
-        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_CONFIG": json.dumps(tf_config)}
-        processes.append(
-            subprocess.Popen(
-                [sys.executable, "-m", f"tests.scripts.{module}", *map(str, args)],
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
-        )
-    results = []
+    started = []
     try:
-        for process in processes:
-            out, err = process.communicate(timeout=timeout)
-            results.append((process.returncode, out, err))
+        for index in range(num_workers):
+            tf_config = {"cluster": cluster, "task": {"type": "worker", "index": index}}
+            started.append(
+                _start_script(f"tests.scripts.{module}", args, {"TF_CONFIG": json.dumps(tf_config)})
+            )
+        results = [wait(timeout) for wait in started]
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
+        for wait in started:
+            wait.stop()
     if check:
         for index, (code, out, err) in enumerate(results):
             if code != 0:
                 raise AssertionError(f"worker {index} failed ({code}):\n{out}\n{err[-5000:]}")
     return results
+
+
+class _ScriptHost:
+    """The ``tests.scripts._host`` process of this pytest process: forks the scripts' runs."""
+
+    def __init__(self):
+        import atexit
+        import json
+
+        self._json = json
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "tests.scripts._host"],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+        )
+        atexit.register(self.close)
+        self._reply()  # {"ready": pid}, once its imports are done
+
+    def close(self):
+        """Ends the host (its stdin closed) and waits for it."""
+        self._process.stdin.close()
+        try:
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+
+    def _reply(self):
+        line = self._process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the script host ended ({self._process.wait()})")
+        return self._json.loads(line)
+
+    def request(self, **message):
+        self._process.stdin.write(self._json.dumps(message) + "\n")
+        self._process.stdin.flush()
+        return self._reply()
+
+
+_HOST = []
+
+
+def _start_script(module, args, env):
+    """Starts ``python -m module *args`` (``env`` over this process's); returns its waiter.
+
+    The waiter, called with a timeout in seconds, returns ``(returncode,
+    stdout, stderr)`` or raises ``subprocess.TimeoutExpired``; its ``stop()``
+    kills a run not yet waited for. The run is forked from the script host
+    (``tests/scripts/_host.py``): a process whose TensorFlow, Keras and package
+    are imported and nothing initialised, so each run is still the first use
+    of TensorFlow in its process, without the ~4.5 s of CPU of the imports.
+    ``GA_TESTS_NO_SCRIPT_HOST=1`` starts each run as an interpreter of its own.
+    """
+    import tempfile
+
+    command = [sys.executable, "-m", module, *map(str, args)]
+    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **env}
+    if os.environ.get("GA_TESTS_NO_SCRIPT_HOST") == "1":
+        process = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=environment,
+        )
+
+        def wait(timeout):
+            out, err = process.communicate(timeout=timeout)
+            return process.returncode, out, err
+
+        wait.stop = lambda: process.poll() is None and process.kill()
+        return wait
+    if not _HOST:
+        _HOST.append(_ScriptHost())
+    host = _HOST[0]
+    folder = Path(tempfile.mkdtemp(prefix="script-"))
+    outputs = folder / "stdout", folder / "stderr"
+    pid = host.request(
+        op="start",
+        module=module,
+        args=[str(a) for a in args],
+        env=environment,
+        stdout=str(outputs[0]),
+        stderr=str(outputs[1]),
+    )["pid"]
+    waited = []
+
+    def wait(timeout):
+        reply = host.request(op="wait", pid=pid, timeout=timeout)
+        waited.append(True)
+        if reply.get("timeout"):
+            raise subprocess.TimeoutExpired(command, timeout)
+        out, err = (path.read_text(errors="replace") for path in outputs)
+        for path in outputs:
+            path.unlink()
+        folder.rmdir()
+        return reply["returncode"], out, err
+
+    def stop():
+        if not waited:
+            host.request(op="wait", pid=pid, timeout=0)
+
+    wait.stop = stop
+    return wait
 
 
 def run_python(args, timeout=600, env=None, label=None):
@@ -757,15 +853,27 @@ def run_python(args, timeout=600, env=None, label=None):
     return completed.stdout
 
 
-def run_script_module(name, args=(), timeout=600, env=None):
+def run_script_module(name, args=(), timeout=600, env=None, own_interpreter=False):
     """Runs ``python -m tests.scripts.<name> *args`` from the repository root; returns its stdout.
 
-    A fresh process: logical devices and strategies can be set up only once
-    per process (see ``tests/scripts/__init__.py``). Fails the test, with
-    both outputs, if the script fails.
+    A fresh process (:func:`_start_script`, forked from the script host unless
+    ``env`` is given or ``own_interpreter``, for a script that must import
+    everything itself): logical devices and strategies can be set up only
+    once per process (see ``tests/scripts/__init__.py``). Fails the test, with
+    both outputs, if the script fails; a run killed by a signal is run once
+    more (:func:`run_python`).
     """
-    command = ["-m", f"tests.scripts.{name}", *map(str, args)]
-    return run_python(command, timeout=timeout, env=env, label=f"tests.scripts.{name}")
+    if env is not None or own_interpreter:
+        command = ["-m", f"tests.scripts.{name}", *map(str, args)]
+        return run_python(command, timeout=timeout, env=env, label=f"tests.scripts.{name}")
+    label = f"tests.scripts.{name}"
+    code, out, err = _start_script(label, args, {})(timeout)
+    first = ""
+    if code < 0:
+        first = f", after a first run killed by signal {-code}"
+        code, out, err = _start_script(label, args, {})(timeout)
+    assert code == 0, f"{label} failed ({code}{first}):\n{out}\n{err}"
+    return out
 
 
 def script_results(stdout):

@@ -896,6 +896,7 @@ def test_a_restored_model_loads_and_serves_where_the_package_is_not_installed(tr
         run_script_module(
             "without_library",
             [tmp_path / "plain.keras", tmp_path / "exported", tmp_path / "inputs.npy"],
+            own_interpreter=True,  # the script host has imported the package
         )
     )
     assert results["blocked"], "gradient_accumulator was importable in the fresh process"

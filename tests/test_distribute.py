@@ -404,3 +404,24 @@ def test_average_batchnorm_statistics_refuses_what_is_not_a_model():
         ValueError, match=r"`model` must be a Keras model.*Received: model=.* of type Dense"
     ):
         average_batchnorm_statistics(keras.layers.Dense(1))
+
+
+@pytest.mark.slow
+def test_the_script_host_reports_a_failed_run_and_stops_a_run_past_its_timeout():
+    # tests/scripts/_host.py forks every script of this module: a run that
+    # fails is reported with its status and its stderr, and a run past its
+    # timeout is killed and raised as subprocess.run would.
+    import subprocess
+
+    from tests.helpers import _start_script
+
+    code, out, err = _start_script("tests.scripts.no_such_script", [], {})(60)
+    assert (code, out) == (1, ""), (code, out, err)
+    assert "No module named tests.scripts.no_such_script" in err, err
+    # A run's stdin is /dev/null, not the host's requests: json.tool reads
+    # nothing and fails at once (reading the requests, it would wait).
+    code, _, err = _start_script("json.tool", [], {})(60)
+    assert code == 1 and "Expecting value" in err, (code, err)
+    # http.server serves until killed (port 0: any free port).
+    with pytest.raises(subprocess.TimeoutExpired):
+        _start_script("http.server", ["0", "--bind", "127.0.0.1"], {})(2)
