@@ -3,8 +3,10 @@
 A process can split its CPU into logical devices, or join a
 MultiWorkerMirroredStrategy cluster, only once and only before TensorFlow has
 initialised its devices, so every test that needs one runs a module of this
-package from the repository root, ``python -m tests.scripts.<name> [args]``
-(``tests.helpers.run_script_module`` and ``tests.helpers.run_workers``). Each
+package from the repository root, as ``python -m tests.scripts.<name> [args]``
+would (``tests.helpers.run_script_module`` and ``tests.helpers.run_workers``;
+forked from the script host, :mod:`tests.scripts._host`, whose imports are
+done and whose TensorFlow is not initialised). Each
 script prints its figures as one JSON line starting with :data:`RESULTS`
 (``tests.helpers.script_results`` reads it back), and the test asserts on
 them. Importing TensorFlow, Keras and the package does not initialise the
