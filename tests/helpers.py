@@ -7,12 +7,15 @@ initial weights, separate layers), trains one with plain Keras at batch
 """
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import inspect
+import json
 import os
 import subprocess
 import sys
+import tempfile
 import unittest
 import warnings
 from pathlib import Path
@@ -685,13 +688,11 @@ def free_ports(count):
 def run_workers(module, num_workers=2, timeout=600, args=(), check=True):
     """Runs ``python -m tests.scripts.<module> *args`` as a MultiWorkerMirroredStrategy cluster.
 
-    Each worker is a fresh process (:func:`run_script_process`) with its own
+    Each worker is a fresh process (:func:`_start_script`) with its own
     ``TF_CONFIG``, the workers on free loopback ports; returns the
     ``(returncode, stdout, stderr)`` of each, in worker order. With ``check``,
     a worker that fails fails the test with its outputs.
     """
-    import json
-
     ports = free_ports(num_workers)
     cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
     started = []
@@ -717,9 +718,7 @@ class _ScriptHost:
 
     def __init__(self):
         import atexit
-        import json
 
-        self._json = json
         self._process = subprocess.Popen(
             [sys.executable, "-m", "tests.scripts._host"],
             cwd=ROOT,
@@ -744,33 +743,34 @@ class _ScriptHost:
         line = self._process.stdout.readline()
         if not line:
             raise RuntimeError(f"the script host ended ({self._process.wait()})")
-        return self._json.loads(line)
+        return json.loads(line)
 
     def request(self, **message):
-        self._process.stdin.write(self._json.dumps(message) + "\n")
+        self._process.stdin.write(json.dumps(message) + "\n")
         self._process.stdin.flush()
         return self._reply()
 
 
-_HOST = []
+@functools.cache
+def _script_host():
+    return _ScriptHost()
 
 
-def _start_script(module, args, env):
+def _start_script(module, args, env, own_interpreter=False):
     """Starts ``python -m module *args`` (``env`` over this process's); returns its waiter.
 
     The waiter, called with a timeout in seconds, returns ``(returncode,
-    stdout, stderr)`` or raises ``subprocess.TimeoutExpired``; its ``stop()``
-    kills a run not yet waited for. The run is forked from the script host
-    (``tests/scripts/_host.py``): a process whose TensorFlow, Keras and package
-    are imported and nothing initialised, so each run is still the first use
-    of TensorFlow in its process, without the ~4.5 s of CPU of the imports.
-    ``GA_TESTS_NO_SCRIPT_HOST=1`` starts each run as an interpreter of its own.
+    stdout, stderr)`` or kills the run and raises ``subprocess.TimeoutExpired``;
+    its ``stop()`` kills a run not yet waited for. The run is forked from the
+    script host (``tests/scripts/_host.py``): a process whose TensorFlow, Keras
+    and package are imported and nothing initialised, so each run is still the
+    first use of TensorFlow in its process, without the ~4.5 s of CPU of the
+    imports. With ``own_interpreter`` (a script that must import everything
+    itself) or ``GA_TESTS_NO_SCRIPT_HOST=1``, the run is an interpreter of its own.
     """
-    import tempfile
-
     command = [sys.executable, "-m", module, *map(str, args)]
     environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **env}
-    if os.environ.get("GA_TESTS_NO_SCRIPT_HOST") == "1":
+    if own_interpreter or os.environ.get("GA_TESTS_NO_SCRIPT_HOST") == "1":
         process = subprocess.Popen(
             command,
             cwd=ROOT,
@@ -781,14 +781,17 @@ def _start_script(module, args, env):
         )
 
         def wait(timeout):
-            out, err = process.communicate(timeout=timeout)
+            try:
+                out, err = process.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
+                raise
             return process.returncode, out, err
 
         wait.stop = lambda: process.poll() is None and process.kill()
         return wait
-    if not _HOST:
-        _HOST.append(_ScriptHost())
-    host = _HOST[0]
+    host = _script_host()
     folder = Path(tempfile.mkdtemp(prefix="script-"))
     outputs = folder / "stdout", folder / "stderr"
     pid = host.request(
@@ -820,6 +823,21 @@ def _start_script(module, args, env):
     return wait
 
 
+def _succeeded(run, label):
+    """``run()``'s stdout, run once more if a signal killed it; fails the test if it fails.
+
+    ``run`` returns ``(returncode, stdout, stderr)``; the message names
+    ``label``, the status and both outputs (and a first run's signal).
+    """
+    code, out, err = run()
+    first = ""
+    if code < 0:
+        first = f", after a first run killed by signal {-code}"
+        code, out, err = run()
+    assert code == 0, f"{label} failed ({code}{first}):\n{out}\n{err}"
+    return out
+
+
 def run_python(args, timeout=600, env=None, label=None):
     """Runs ``python *args`` from the repository root in a fresh process; returns its stdout.
 
@@ -832,7 +850,7 @@ def run_python(args, timeout=600, env=None, label=None):
     """
 
     def run():
-        return subprocess.run(
+        completed = subprocess.run(
             [sys.executable, *args],
             cwd=ROOT,
             capture_output=True,
@@ -840,40 +858,22 @@ def run_python(args, timeout=600, env=None, label=None):
             timeout=timeout,
             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})},
         )
+        return completed.returncode, completed.stdout, completed.stderr
 
-    completed = run()
-    first = ""
-    if completed.returncode < 0:
-        first = f", after a first run killed by signal {-completed.returncode}"
-        completed = run()
-    assert completed.returncode == 0, (
-        f"{label or ' '.join(args)} failed ({completed.returncode}{first}):\n"
-        f"{completed.stdout}\n{completed.stderr}"
-    )
-    return completed.stdout
+    return _succeeded(run, label or " ".join(args))
 
 
-def run_script_module(name, args=(), timeout=600, env=None, own_interpreter=False):
+def run_script_module(name, args=(), timeout=600, own_interpreter=False):
     """Runs ``python -m tests.scripts.<name> *args`` from the repository root; returns its stdout.
 
-    A fresh process (:func:`_start_script`, forked from the script host unless
-    ``env`` is given or ``own_interpreter``, for a script that must import
-    everything itself): logical devices and strategies can be set up only
-    once per process (see ``tests/scripts/__init__.py``). Fails the test, with
-    both outputs, if the script fails; a run killed by a signal is run once
-    more (:func:`run_python`).
+    A fresh process (:func:`_start_script`: forked from the script host, or
+    with ``own_interpreter`` an interpreter of its own): logical devices and
+    strategies can be set up only once per process (see
+    ``tests/scripts/__init__.py``). Fails the test, with both outputs, if the
+    script fails; a run killed by a signal is run once more (:func:`_succeeded`).
     """
-    if env is not None or own_interpreter:
-        command = ["-m", f"tests.scripts.{name}", *map(str, args)]
-        return run_python(command, timeout=timeout, env=env, label=f"tests.scripts.{name}")
     label = f"tests.scripts.{name}"
-    code, out, err = _start_script(label, args, {})(timeout)
-    first = ""
-    if code < 0:
-        first = f", after a first run killed by signal {-code}"
-        code, out, err = _start_script(label, args, {})(timeout)
-    assert code == 0, f"{label} failed ({code}{first}):\n{out}\n{err}"
-    return out
+    return _succeeded(lambda: _start_script(label, args, {}, own_interpreter)(timeout), label)
 
 
 def script_results(stdout):
