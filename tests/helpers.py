@@ -13,6 +13,7 @@ import importlib.util
 import inspect
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -805,19 +806,21 @@ def _start_script(module, args, env, own_interpreter=False):
     waited = []
 
     def wait(timeout):
-        reply = host.request(op="wait", pid=pid, timeout=timeout)
         waited.append(True)
-        if reply.get("timeout"):
-            raise subprocess.TimeoutExpired(command, timeout)
-        out, err = (path.read_text(errors="replace") for path in outputs)
-        for path in outputs:
-            path.unlink()
-        folder.rmdir()
+        try:
+            reply = host.request(op="wait", pid=pid, timeout=timeout)
+            if reply.get("timeout"):
+                raise subprocess.TimeoutExpired(command, timeout)
+            out, err = (path.read_text(errors="replace") for path in outputs)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
         return reply["returncode"], out, err
 
     def stop():
         if not waited:
+            waited.append(True)
             host.request(op="wait", pid=pid, timeout=0)
+            shutil.rmtree(folder, ignore_errors=True)
 
     wait.stop = stop
     return wait

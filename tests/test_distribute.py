@@ -8,6 +8,8 @@ single-device tests of ``tests/test_model.py`` check; the optimizer wrapper's
 is in ``tests/test_optimizer.py``.
 """
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -407,13 +409,27 @@ def test_average_batchnorm_statistics_refuses_what_is_not_a_model():
 
 
 @pytest.mark.slow
-def test_the_script_host_reports_a_failed_run_and_stops_a_run_past_its_timeout():
+def test_the_script_host_reports_a_failed_run_and_stops_a_run_past_its_timeout(
+    monkeypatch,
+):
     # tests/scripts/_host.py forks every script of this module: a run that
     # fails is reported with its status and its stderr, and a run past its
-    # timeout is killed and raised as subprocess.run would.
+    # timeout is killed and raised as subprocess.run would. The folder of a
+    # run's outputs is removed however the run ends.
     import subprocess
+    import tempfile
 
+    from tests import helpers
     from tests.helpers import _start_script
+
+    if os.environ.get("GA_TESTS_NO_SCRIPT_HOST") != "1":
+        folders = []
+
+        def mkdtemp(**kwargs):
+            folders.append(tempfile.mkdtemp(**kwargs))
+            return folders[-1]
+
+        monkeypatch.setattr(helpers.tempfile, "mkdtemp", mkdtemp)
 
     code, out, err = _start_script("tests.scripts.no_such_script", [], {})(60)
     assert (code, out) == (1, ""), (code, out, err)
@@ -425,3 +441,9 @@ def test_the_script_host_reports_a_failed_run_and_stops_a_run_past_its_timeout()
     # http.server serves until killed (port 0: any free port).
     with pytest.raises(subprocess.TimeoutExpired):
         _start_script("http.server", ["0", "--bind", "127.0.0.1"], {})(2)
+    # A run stopped before it was waited for (run_workers's other workers,
+    # once one has failed).
+    _start_script("http.server", ["0", "--bind", "127.0.0.1"], {}).stop()
+    if os.environ.get("GA_TESTS_NO_SCRIPT_HOST") != "1":
+        assert len(folders) == 4, folders
+        assert not [folder for folder in folders if os.path.exists(folder)]
