@@ -33,6 +33,9 @@ SUITE = {
 }
 # The figure's line, as the file holds it and -v prints it.
 FIGURE = "  1.25e-07  test_one.py::test_measured"
+# Each test starts pytest in processes of its own, which import TensorFlow
+# (6-13 s a test): not in the fast tier.
+pytestmark = pytest.mark.slow
 
 
 def run_suite(directory, *args):
