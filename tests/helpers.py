@@ -622,6 +622,24 @@ def assert_diff_below(diff, atol, context=None):
     )
 
 
+_SHARED_REFERENCES = {}
+
+
+def shared_reference(key, compute):
+    """``compute()``'s result, computed once per ``key`` in a test process.
+
+    For a reference that several parametrizations compare with: plain Keras
+    trained on the same data with the same arguments (``key`` holds them:
+    the data's bytes, not their shape). Under pytest-xdist a module's tests
+    share a worker (``--dist loadfile``), so they share its references;
+    ``compute`` returns arrays, not a model, so that no test's changes to
+    it reach another.
+    """
+    if key not in _SHARED_REFERENCES:
+        _SHARED_REFERENCES[key] = compute()
+    return _SHARED_REFERENCES[key]
+
+
 def train_pair(
     build,
     make_optimizer,

@@ -29,6 +29,7 @@ from tests.helpers import (
     make_token_data,
     max_abs_diff,
     numpy_agc,
+    shared_reference,
     train_big_batches,
     train_pair,
     unknown_length_dataset,
@@ -653,30 +654,35 @@ def test_trainer_cases_on_a_functional_wrapper(form, mode, accum_steps):
     x, y = make_regression_data()
     sample_weight = np.random.default_rng(1).uniform(0.5, 2.0, len(x)).astype("float32")
     arrays = (x, y, sample_weight)
-    runs = {}
-    # The reference: plain Keras in graph mode (Keras < 3.7 runs a
-    # steps_per_execution epoch whose steps it does not divide one step too
-    # many: 12 updates of 10 batches here).
-    for cls, batch_size in ((keras.Model, accum_steps * MICRO_BATCH), (None, MICRO_BATCH)):
-        if cls is None:
-            model = build_dense(GradientAccumulateModel, accum_steps=accum_steps)
-        else:
-            model = build_dense(cls)
-        mode_kwargs = MODES[mode] if cls is None else {}
-        model.compile(OPTIMIZERS["adam"](), "mse", metrics=["mae"], **mode_kwargs)
+
+    def fit(model, batch_size, compile_kwargs):
+        model.compile(OPTIMIZERS["adam"](), "mse", metrics=["mae"], **compile_kwargs)
         history = model.fit(
             **_fit_data(form, arrays, batch_size), epochs=2, shuffle=False, verbose=0
         )
         evaluated = model.evaluate(x, y, sample_weight=sample_weight, verbose=0, return_dict=True)
-        runs[cls] = (model, history.history, evaluated)
-    (reference, _, reference_eval), (model, history, evaluated) = runs.values()
-    assert_close(reference.get_weights(), model.get_weights(), FLOAT32_ATOL)
-    assert set(history) == {"loss", "mae"} and len(history["loss"]) == 2
-    assert abs(reference_eval["loss"] - evaluated["loss"]) < FLOAT32_ATOL
-    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
-    np.testing.assert_allclose(
-        reference.predict(x, verbose=0), model.predict(x, verbose=0), atol=FLOAT32_ATOL
+        return {
+            "weights": model.get_weights(),
+            "history": history.history,
+            "loss": evaluated["loss"],
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "predicted": model.predict(x, verbose=0),
+        }
+
+    # The reference: plain Keras in graph mode, shared by the modes (Keras <
+    # 3.7 runs a steps_per_execution epoch whose steps it does not divide one
+    # step too many: 12 updates of 10 batches here).
+    reference = shared_reference(
+        (*(a.tobytes() for a in arrays), form, accum_steps),
+        lambda: fit(build_dense(), accum_steps * MICRO_BATCH, {}),
     )
+    model = build_dense(GradientAccumulateModel, accum_steps=accum_steps)
+    run = fit(model, MICRO_BATCH, MODES[mode])
+    assert_close(reference["weights"], run["weights"], FLOAT32_ATOL)
+    assert set(run["history"]) == {"loss", "mae"} and len(run["history"]["loss"]) == 2
+    assert abs(reference["loss"] - run["loss"]) < FLOAT32_ATOL
+    assert run["iterations"] == reference["iterations"]
+    np.testing.assert_allclose(reference["predicted"], run["predicted"], atol=FLOAT32_ATOL)
 
 
 def test_fit_with_none_for_a_required_input_raises_as_keras_does():

@@ -26,6 +26,7 @@ from tests.helpers import (
     make_regression_data,
     run_script_module,
     script_results,
+    shared_reference,
 )
 
 MICRO = 2
@@ -75,10 +76,15 @@ def _unknown_length(x, y):
 
 
 def _reference(x, y, accum_steps, epochs, jit_compile):
-    reference = build_dense()
-    reference.compile(OPTIMIZERS["adam"](), "mse", jit_compile=jit_compile)
-    reference.fit(x, y, batch_size=MICRO * accum_steps, epochs=epochs, shuffle=False, verbose=0)
-    return reference
+    """Plain Keras's weights after ``fit`` at batch ``MICRO * accum_steps`` (once per process)."""
+
+    def train():
+        reference = build_dense()
+        reference.compile(OPTIMIZERS["adam"](), "mse", jit_compile=jit_compile)
+        reference.fit(x, y, batch_size=MICRO * accum_steps, epochs=epochs, shuffle=False, verbose=0)
+        return reference.get_weights()
+
+    return shared_reference((x.tobytes(), y.tobytes(), accum_steps, epochs, jit_compile), train)
 
 
 @pytest.mark.parametrize(
@@ -114,7 +120,7 @@ def test_fit_equals_the_big_batch_for_every_accum_steps(accum_steps, mode, data)
     assert set(cases) == {WHOLE_GROUPS if data == "arrays" else MICRO_STEPS}
     assert int(model.optimizer.iterations.numpy()) == epochs * (groups + 1)
     assert int(model._accumulator.micro_step.numpy()) == 0
-    assert_close(reference.get_weights(), model.get_weights(), FLOAT32_ATOL)
+    assert_close(reference, model.get_weights(), FLOAT32_ATOL)
 
 
 @pytest.mark.parametrize(
@@ -138,7 +144,7 @@ def test_train_on_batch_equals_the_big_batch(accum_steps, mode, steps_per_execut
         model.train_on_batch(xb, yb)
     model.apply_accumulated_gradients()  # the shorter last group
     assert int(model.optimizer.iterations.numpy()) == 3
-    assert_close(reference.get_weights(), model.get_weights(), FLOAT32_ATOL)
+    assert_close(reference, model.get_weights(), FLOAT32_ATOL)
 
 
 OPTIMIZER_CASES = [(1, "jit", 3), (33, "jit", 3), (128, "graph", 1), (128, "jit", 1)]
@@ -161,7 +167,7 @@ def test_optimizer_wrapper_in_fit_equals_the_big_batch(accum_steps, mode, steps_
     )
     model.fit(x, y, batch_size=MICRO, epochs=1, shuffle=False, verbose=0)
     assert int(optimizer.iterations.numpy()) == 3
-    assert_close(reference.get_weights(), model.get_weights(), FLOAT32_ATOL)
+    assert_close(reference, model.get_weights(), FLOAT32_ATOL)
 
 
 def test_a_group_is_one_program_whatever_its_length():
