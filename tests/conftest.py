@@ -32,7 +32,7 @@ def pytest_addoption(parser):
         "--fast",
         action="store_true",
         help=(
-            "the fast tier, for checking a change in about 2 minutes (with -n auto on 2 "
+            "the fast tier, for checking a change in 2 to 3 minutes (with -n auto on 2 "
             "cores): the first parametrization of each test, without the multi-process "
             "(slow), benchmark, Keras-suite and heavy tests; CI runs everything"
         ),
