@@ -81,8 +81,9 @@ def test_installation_page_lists_exactly_the_versions_ci_tests():
     )
     listed = {name: (python, tf, keras) for name, python, tf, keras in rows if name != "CI"}
     assert set(listed) == {name for name, *_ in jobs}, listed
-    for name, python, tensorflow, keras, _ in jobs:
+    for name, python, tensorflow, keras, tests in jobs:
         assert listed[name] == (python, tensorflow, keras), (name, listed[name])
+        assert tests in ("all", "one-process"), (name, tests)  # what .ci/run knows
     # The floor CI tests is the floor the import check and pyproject.toml declare.
     _, python, tensorflow, keras, tests = next(job for job in jobs if job[0] == "floor")
     assert tests == "all"
