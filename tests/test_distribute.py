@@ -423,10 +423,10 @@ def test_the_script_host_reports_a_failed_run_and_stops_a_run_past_its_timeout(
     from tests.helpers import _start_script
 
     if os.environ.get("GA_TESTS_NO_SCRIPT_HOST") != "1":
-        folders = []
+        folders, make_folder = [], tempfile.mkdtemp
 
         def mkdtemp(**kwargs):
-            folders.append(tempfile.mkdtemp(**kwargs))
+            folders.append(make_folder(**kwargs))
             return folders[-1]
 
         monkeypatch.setattr(helpers.tempfile, "mkdtemp", mkdtemp)
