@@ -212,6 +212,10 @@ class CoupledGroup:
     def __init__(self, model):
         self._model = model
         self._output_structure = None  # the model's outputs, as the first pass traced them
+        # The sums that the group's trace adds to: by its loss (`loss`) and
+        # by its micro-steps (`backward`); the update applies their union.
+        self._loss_slots = []
+        self._step_slots = []
 
     def forward(self, data, is_first):
         """First pass of a micro-batch: its outputs (flat list), no tape kept.
@@ -284,7 +288,8 @@ class CoupledGroup:
             loss_x, loss_y, loss_weight, loss_outputs = tf.nest.pack_sequence_as(
                 local, [None if t is None else next(gathered_flat) for t in flat]
             )
-        with tf.GradientTape() as tape:
+        variables = model.trainable_variables
+        with tf.GradientTape(persistent=True) as tape:
             tape.watch(loss_outputs)
             y_pred = tf.nest.pack_sequence_as(self._output_structure, loss_outputs)
             # The replica's share of the loss (divided by the replicas, whose
@@ -292,7 +297,15 @@ class CoupledGroup:
             # where gathered, of which it back-propagates its own rows.
             share = compute_training_loss(model, loss_x, loss_y, y_pred, loss_weight)
             objective = share * replicas if gathered else share
+            scaled_share = model.optimizer.scale_loss(share)
         grads = tape.gradient(objective, loss_outputs)
+        # The loss's own dependence on weights, the outputs held fixed: what
+        # `compute_loss` reads itself (a candidate tower, the regularizers).
+        # It is the group's, not a micro-batch's: added to the sums once.
+        self._loss_slots = model._accumulator.add_group_gradients(
+            tape.gradient(scaled_share, variables), variables
+        )
+        del tape
         grads = [ops.zeros_like(t) if g is None else g for t, g in zip(loss_outputs, grads)]
         if gathered:
             grads = [g[offset : offset + rows] for g in grads]
@@ -306,10 +319,10 @@ class CoupledGroup:
         """Second pass of a micro-batch: its part of the group's gradient added to the sums.
 
         The gradient of ``sum(dL/dy * y)`` over its outputs ``y`` (``dL/dy``:
-        ``output_grads``, its rows of :meth:`loss`'s), plus, at the group's
-        first micro-step, the weight regularizers' (which ``dL/dy`` does not
-        carry). Its divisor is 1 at the first micro-step and 0 elsewhere:
-        the sums are the group's gradient itself.
+        ``output_grads``, its rows of :meth:`loss`'s); :meth:`loss` has added
+        the rest of ``dL/dW``, the loss's own dependence on the weights. Its
+        divisor is 1 at the first micro-step and 0 elsewhere: the sums are
+        the group's gradient itself.
 
         Args:
             first_outputs: The outputs of its first pass (:meth:`forward`),
@@ -340,15 +353,9 @@ class CoupledGroup:
                     ]
                 )
             )
-            regularizers = model.losses
-            if regularizers:
-                # Once per group, the replica's share (as Keras divides the loss).
-                replicas = tf.distribute.get_strategy().num_replicas_in_sync
-                total = ops.sum(ops.stack([ops.cast(r, "float32") for r in regularizers]))
-                objective = objective + first * total / replicas
             objective = model.optimizer.scale_loss(objective)
         grads = tape.gradient(objective, variables)
-        accumulator.add_classes([grads], [first])
+        self._step_slots = accumulator.add_classes([grads], [first])
         drift = ops.max(
             ops.stack(
                 [
@@ -359,3 +366,13 @@ class CoupledGroup:
             )
         )
         return accumulator.micro_step.read_value(), tf.stop_gradient(drift)
+
+    def update(self):
+        """The group's update (replica context), once its last :meth:`backward` has added.
+
+        Every sum the group added to, by its loss or its micro-steps, goes to
+        the optimizer.
+        """
+        model = self._model
+        model._apply_statistics(True)
+        model._update(True, present=sorted({*self._loss_slots, *self._step_slots}))

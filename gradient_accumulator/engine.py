@@ -830,6 +830,39 @@ class GradientAccumulator(tf.Module):
         grads = [class_grads[c][i] for i, c, _ in self._slots()]
         return self._accumulate(grads, divisors)
 
+    def add_group_gradients(self, grads, variables):
+        """Adds gradients that belong to the group as a whole to the sums (replica context).
+
+        A coupled loss's own dependence on the weights, with the outputs
+        held fixed (a tower that ``compute_loss`` runs, the regularizers):
+        part of the group's gradient, added once, without a divisor or a
+        micro-step. One normaliser class (a coupled loss has one).
+
+        Args:
+            grads: One gradient (or ``None``) per entry of ``variables``.
+            variables: The trainable variables the sums were made for.
+
+        Returns:
+            The indices of the sums that received a gradient (for
+            :meth:`apply_if`'s ``present``).
+        """
+        slot_grads = [grads[i] for i, _, _ in self._slots()]
+        for (i, _, _), grad in zip(self._slots(), slot_grads):
+            if grad is not None and self._takes_maximum[i]:
+                raise ValueError(
+                    f"Variable '{variables[i].path}' holds float8 state (a scale or an "
+                    "amax history, whose update is its group's maximum), and the loss reads "
+                    "it outside the model's forward pass (`compute_loss`): its value would "
+                    "be summed, not kept. Call the float8 layers in `call`. Received: the "
+                    "loss's gradient of that variable"
+                )
+        if self._reduce_every_micro_step:
+            slot_grads, _ = all_reduce_in_replica(slot_grads, [], [False] * len(slot_grads))
+        for (_, _, acc), grad in zip(self._slots(), slot_grads):
+            if grad is not None:
+                _add_in_place(acc, grad)
+        return [k for k, grad in enumerate(slot_grads) if grad is not None]
+
     def apply_pending(self, optimizer, variables, statistics=()):
         """Updates with a non-empty, unfinished group (replica context).
 

@@ -603,11 +603,13 @@ class GradientAccumulateModel(keras.Model):
             self._group_loss.end(loss_tracker(self), condition)
         self._update(condition)
 
-    def _update(self, condition, noise_measured=None):
+    def _update(self, condition, noise_measured=None, present=None):
         """The group's update, if ``condition`` (replica context).
 
         ``noise_measured``: whether the noise scale measures this update
         (a Python boolean where the runner knows; ``None``: at run time).
+        ``present``: the sums that hold a gradient, where the caller knows
+        (:meth:`GradientAccumulator.apply_if`).
 
         The group's mean gradient to the optimizer, then the sums emptied
         (:meth:`GradientAccumulator.apply_if`); layers whose statistics
@@ -621,6 +623,7 @@ class GradientAccumulateModel(keras.Model):
             self.optimizer,
             self.trainable_variables,
             self._replica_statistics(),
+            present=present,
             noise_measured=noise_measured,
         )
 
@@ -775,6 +778,7 @@ class GradientAccumulateModel(keras.Model):
         # Variables are created here, eagerly and under the strategy scope,
         # never inside the traced step (that breaks tf.distribute).
         self._check_strategy()
+        self._check_train_step_not_overridden()
         self._check_jit_compile()
         self._check_statistics_layers()
         if not force and self.train_function is not None:
@@ -887,6 +891,29 @@ class GradientAccumulateModel(keras.Model):
                 "(layers included) inside `with strategy.scope():`, then compile "
                 "and fit it there."
             )
+
+    def _check_train_step_not_overridden(self):
+        """Refuses a subclass's own ``train_step``, which ``fit`` would not run on every path.
+
+        The runner runs the wrapper's micro-steps and updates itself: a
+        ``train_step`` of a subclass would be bypassed on data of known
+        length and run on the other paths, where its optimizer step would
+        update at every micro-batch.
+        """
+        owner = next(c for c in type(self).__mro__ if "train_step" in vars(c))
+        if owner is GradientAccumulateModel:
+            return
+        raise ValueError(
+            f"Model '{self.name}' overrides `train_step` (in class {owner.__name__}): "
+            "GradientAccumulateModel runs its own micro-steps and updates, so `fit` and "
+            "`train_on_batch` would not run that step as written (on data of known length "
+            "not at all; elsewhere with an optimizer update at every micro-batch). Override "
+            "`compute_loss` to change the loss (it runs in every micro-step, or on the "
+            "whole group with `coupled_loss`) and `compute_metrics` to change the metrics; "
+            "for a training step of your own (a GAN's), subclass `keras.Model` and wrap "
+            "its optimizer in `GradientAccumulateOptimizer`. Received: "
+            f"{owner.__name__}.train_step"
+        )
 
     def _check_jit_compile(self):
         """Refuses XLA over several replicas, which TensorFlow fails obscurely."""

@@ -533,12 +533,8 @@ class GroupRunner:
             marker = ops.sum(ops.stack(strategy.experimental_local_results(marker)))
             return marker, ops.max(ops.stack(strategy.experimental_local_results(drift)))
 
-        def update_in_replica():
-            model._apply_statistics(True)
-            model._update(True)
-
         def update():
-            strategy.run(update_in_replica)
+            strategy.run(coupled.update)
 
         if model.jit_compile and not model.run_eagerly:
             update = tf.function(update, jit_compile=True, autograph=False)

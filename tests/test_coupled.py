@@ -467,3 +467,274 @@ def test_gradient_norm_is_the_big_batch_s(jit_compile):
         logged.append(np.array(norms, dtype="float64"))
     assert len(logged[0]) == len(logged[1]) == 8
     np.testing.assert_allclose(logged[1], logged[0], rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# Models written the KerasRS way: a subclass whose `compute_loss` runs weights
+# ----------------------------------------------------------------------------
+
+USERS, MOVIES, EMBEDDING = 40, 50, 8
+
+# What `compute_loss` reads besides the model's outputs, one case each: the
+# candidate tower (KerasRS's retrieval tutorial), an embedding both towers
+# share, the model called again, a loss-side layer with state of its own, an
+# output that only the loss reads, weights read only by a metric.
+LOSS_SIDE_CASES = (
+    "candidate_tower",
+    "shared_embedding",
+    "calls_the_model_again",
+    "loss_layer_with_state",
+    "output_read_by_the_loss_only",
+    "weights_read_by_a_metric_only",
+)
+
+
+class Retrieval:
+    """A two-tower retrieval model as KerasRS writes it: the query tower in ``call``.
+
+    ``compute_loss`` runs the candidate tower on ``y`` (movie ids) and scores
+    every query against every candidate of the batch (in-batch softmax,
+    labels on the diagonal); ``case`` (:data:`LOSS_SIDE_CASES`) adds what
+    else the loss reads. Mixed into ``keras.Model`` (the big batch's
+    reference) or ``GradientAccumulateModel``: see :func:`retrieval`.
+    ``blocks``: ``(rows, replicas)`` scores a query only against the
+    candidates of its own replica's rows (each global micro-batch of
+    ``rows`` rows split in ``replicas`` equal shards): the reference of
+    ``coupled_loss='replica'`` under several replicas.
+    """
+
+    def __init__(self, case="candidate_tower", blocks=None, **kwargs):
+        super().__init__(**kwargs)
+        self.case = case
+        self.blocks = blocks
+        self.users = keras.layers.Embedding(USERS, EMBEDDING, name="users")
+        self.movies = keras.layers.Embedding(MOVIES, EMBEDDING, name="movies")
+        self.query = keras.layers.Dense(EMBEDDING, name="query")
+        self.bias = keras.layers.Dense(1, name="bias")
+        self.candidate_norm = keras.layers.BatchNormalization(momentum=0.5, name="candidate_norm")
+        self.probe = keras.layers.Dense(1, name="probe")
+        self.probe_tracker = keras.metrics.Mean(name="probe")
+
+    def build(self, input_shape):
+        self.users.build((None,))
+        self.movies.build((None,))
+        self.query.build((None, EMBEDDING))
+        self.bias.build((None, EMBEDDING))
+        self.candidate_norm.build((None, EMBEDDING))
+        self.probe.build((None, EMBEDDING))
+
+    def call(self, x):
+        query = self.query(self.users(x["user"]))
+        if self.case == "shared_embedding":
+            query = query + self.movies(x["liked"])
+        if self.case == "output_read_by_the_loss_only":
+            return {"query": query, "bias": self.bias(query)}
+        return query
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        candidates = self.movies(y)
+        if self.case == "loss_layer_with_state":
+            candidates = self.candidate_norm(candidates, training=training)
+        query = y_pred["query"] if isinstance(y_pred, dict) else y_pred
+        scores = ops.matmul(query, ops.transpose(candidates))
+        if self.case == "calls_the_model_again":
+            scores = scores + 0.5 * ops.matmul(self(x), ops.transpose(candidates))
+        if self.case == "output_read_by_the_loss_only":
+            scores = scores + y_pred["bias"]
+        if self.blocks is not None:
+            rows, replicas = self.blocks
+            index = ops.arange(ops.shape(scores)[0])
+            replica = (index % rows) // (rows // replicas)
+            same = ops.equal(replica[:, None], replica[None, :])
+            scores = ops.where(same, scores, -1e9)
+        labels = ops.arange(ops.shape(scores)[0])
+        losses = keras.losses.sparse_categorical_crossentropy(labels, scores, from_logits=True)
+        loss = ops.mean(losses)
+        return loss + ops.sum(self.losses) if self.losses else loss
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        logs = super().compute_metrics(x, y, y_pred, sample_weight)
+        if self.case == "weights_read_by_a_metric_only":
+            query = y_pred["query"] if isinstance(y_pred, dict) else y_pred
+            self.probe_tracker.update_state(ops.mean(self.probe(query)))
+            logs = {**logs, "probe": self.probe_tracker.result()}
+        return logs
+
+
+class RetrievalModel(Retrieval, keras.Model):
+    pass
+
+
+class AccumulatingRetrievalModel(Retrieval, GradientAccumulateModel):
+    pass
+
+
+def retrieval(accum_steps=None, **kwargs):
+    """A built :class:`Retrieval`: plain Keras, or accumulating with ``accum_steps``."""
+    keras.utils.set_random_seed(1)
+    if accum_steps is None:
+        model = RetrievalModel(**kwargs)
+    else:
+        kwargs.setdefault("coupled_loss", "replica")
+        model = AccumulatingRetrievalModel(accum_steps=accum_steps, **kwargs)
+    model.build(None)
+    return model
+
+
+def ratings(samples, seed=0):
+    """Users, a movie each liked, and the movie watched (the target): ids drawn per group."""
+    rng = np.random.default_rng(seed)
+    users = rng.integers(0, USERS, size=samples)
+    # The movie watched depends on the user (so there is something to learn),
+    # with micro-batches that differ: ids from a range that moves along the data.
+    shift = np.arange(samples) // MICRO
+    watched = (users + 3 * shift + rng.integers(0, 5, size=samples)) % MOVIES
+    liked = (watched + rng.integers(0, 3, size=samples)) % MOVIES
+    return {"user": users, "liked": liked}, watched
+
+
+def train_retrieval(
+    model, x, y, batch_size, jit_compile=False, epochs=2, learning_rate=2.0, **fit_kwargs
+):
+    optimizer = keras.optimizers.SGD(learning_rate, momentum=0.5)
+    model.compile(optimizer=optimizer, jit_compile=jit_compile)
+    history = model.fit(
+        x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **fit_kwargs
+    )
+    return model, history.history
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+@pytest.mark.parametrize("case", LOSS_SIDE_CASES)
+def test_weights_the_loss_reads_train_as_in_the_big_batch(case, jit_compile):
+    """Every weight plain Keras trains gets the big batch's gradient: through the outputs or not.
+
+    The group's last shorter (two micro-batches). The moving statistics of
+    a loss-side BatchNormalization move once per group, on its batch, as the
+    big batch's; weights read only by a metric train in neither.
+    """
+    x, y = ratings(3 * 32 + 16)
+    # The loss-side BatchNormalization's training amplifies float32 rounding
+    # at a large step (7e-3 after two epochs at 2.0; 2e-7 after one): a smaller step.
+    learning_rate = 0.5 if case == "loss_layer_with_state" else 2.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "Gradients do not exist" (probe)
+        reference, ref_logs = train_retrieval(
+            retrieval(case=case), x, y, 32, jit_compile, learning_rate=learning_rate
+        )
+        model, logs = train_retrieval(
+            retrieval(4, case=case), x, y, MICRO, jit_compile, learning_rate=learning_rate
+        )
+    initial = retrieval(case=case)
+    assert max_abs_diff(reference.get_weights(), initial.get_weights()) > 0.05
+    assert_close(model.get_weights(), reference.get_weights(), FLOAT32_ATOL)
+    np.testing.assert_allclose(logs["loss"], ref_logs["loss"], rtol=1e-5)
+    if case == "weights_read_by_a_metric_only":
+        assert max_abs_diff(model.probe.get_weights(), initial.probe.get_weights()) == 0.0
+        np.testing.assert_allclose(logs["probe"], ref_logs["probe"], rtol=1e-5)
+
+
+def test_a_loss_side_tower_with_a_per_sample_loss_needs_no_coupled_loss():
+    """``coupled_loss=None``: each micro-step's tape sees the loss's weights too."""
+
+    class PerSample(Retrieval):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            # The score of each user's own movie, towards 1.
+            score = ops.sum(y_pred * self.movies(y), axis=-1)
+            return ops.mean(ops.square(score - 1.0))
+
+    class Plain(PerSample, keras.Model):
+        pass
+
+    class Accumulating(PerSample, GradientAccumulateModel):
+        pass
+
+    x, y = ratings(3 * 32 + 16)
+    keras.utils.set_random_seed(1)
+    reference = Plain()
+    reference.build(None)
+    keras.utils.set_random_seed(1)
+    model = Accumulating(accum_steps=4)
+    model.build(None)
+    reference, _ = train_retrieval(reference, x, y, 32)
+    model, _ = train_retrieval(model, x, y, MICRO)
+    assert_close(model.get_weights(), reference.get_weights(), FLOAT32_ATOL)
+
+
+def test_a_loss_side_tower_under_mixed_float16(mixed_float16):
+    x, y = ratings(3 * 32)
+    reference, _ = train_retrieval(retrieval(), x, y, 32)
+    model, _ = train_retrieval(retrieval(4), x, y, MICRO)
+    assert_close(model.get_weights(), reference.get_weights(), FLOAT16_ATOL)
+
+
+@pytest.mark.parametrize("accum_steps", [1, 128])
+def test_a_loss_side_tower_at_the_limits_of_accum_steps(accum_steps):
+    # Micro-batches of 2, two groups of 128 (the big batch of 2 at step 2.0 diverges).
+    x, y = ratings(2 * 128 * 2)
+    arguments = {"epochs": 1, "learning_rate": 0.2}
+    reference, _ = train_retrieval(retrieval(), x, y, accum_steps * 2, **arguments)
+    model, _ = train_retrieval(retrieval(accum_steps), x, y, 2, **arguments)
+    assert_close(model.get_weights(), reference.get_weights(), FLOAT32_ATOL)
+
+
+def test_regularizers_are_the_loss_s_own():
+    """An overridden ``compute_loss`` that leaves ``self.losses`` out trains without them.
+
+    As plain Keras's train step, which only calls ``compute_loss``: the
+    regularizers are part of the loss only where it adds them.
+    """
+
+    class Unregularized(Retrieval):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.users = keras.layers.Embedding(
+                USERS, EMBEDDING, embeddings_regularizer="l2", name="users"
+            )
+
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            scores = ops.matmul(y_pred, ops.transpose(self.movies(y)))
+            labels = ops.arange(ops.shape(scores)[0])
+            return ops.mean(
+                keras.losses.sparse_categorical_crossentropy(labels, scores, from_logits=True)
+            )
+
+    class Plain(Unregularized, keras.Model):
+        pass
+
+    class Accumulating(Unregularized, GradientAccumulateModel):
+        pass
+
+    x, y = ratings(3 * 32)
+    models = []
+    for cls, kwargs in ((Plain, {}), (Accumulating, {"accum_steps": 4, "coupled_loss": "replica"})):
+        keras.utils.set_random_seed(1)
+        model = cls(**kwargs)
+        model.build(None)
+        models.append(model)
+    reference, _ = train_retrieval(models[0], x, y, 32)
+    model, _ = train_retrieval(models[1], x, y, MICRO)
+    assert_close(model.get_weights(), reference.get_weights(), FLOAT32_ATOL)
+
+
+def test_a_weight_only_add_loss_is_refused_by_name():
+    """A term ``add_loss`` adds in the forward pass: not part of the group's loss, refused."""
+
+    class Penalized(keras.layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight((shape[-1],), initializer="ones")
+
+        def call(self, x):
+            self.add_loss(ops.sum(ops.square(self.w)))
+            return x
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((FEATURES,))
+    outputs = Penalized()(keras.layers.Dense(16)(inputs))
+    model = GradientAccumulateModel(
+        accum_steps=2, coupled_loss="replica", inputs=inputs, outputs=outputs
+    )
+    model.compile(optimizer="sgd", loss=info_nce)
+    x = np.ones((32, FEATURES), "float32")
+    with pytest.raises(ValueError, match="adds 1 loss term.*`add_loss`.*coupled_loss='replica'"):
+        model.fit(x, np.zeros((32, 1)), batch_size=MICRO, epochs=1, verbose=0)
