@@ -1387,3 +1387,65 @@ def test_gradient_norm_is_the_big_batch_s(case, request):
         )
     if case == "global_clipnorm":
         assert min(norms) > 0.05  # every update clipped: the log is the norm before it
+
+
+# --------------------------------------------------------------------------
+# A subclass's own steps: `train_step` refused on every path, the others run
+# --------------------------------------------------------------------------
+
+
+class OwnTrainStep(GradientAccumulateModel):
+    """A subclass with a training step of its own (Keras's custom-`fit` pattern)."""
+
+    def train_step(self, data):
+        logs = super().train_step(data)
+        return {**logs, "extra": 1.0}
+
+
+class InheritedOwnTrainStep(OwnTrainStep):
+    pass
+
+
+@pytest.mark.parametrize("path", ["arrays", "dataset", "unknown_length", "train_on_batch"])
+@pytest.mark.parametrize("cls", [OwnTrainStep, InheritedOwnTrainStep])
+def test_an_overridden_train_step_is_refused_on_every_path(path, cls):
+    """Never run on some paths and skipped on others: refused before training, by name."""
+    x, y = make_regression_data(32)
+    model = build_dense(cls, accum_steps=2)
+    model.compile(optimizer="sgd", loss="mse")
+    before = [w.copy() for w in model.get_weights()]
+    message = (
+        r"Model '.*' overrides `train_step` \(in class OwnTrainStep\).*Override "
+        r"`compute_loss`.*GradientAccumulateOptimizer`. Received: OwnTrainStep.train_step"
+    )
+    with pytest.raises(ValueError, match=message):
+        if path == "arrays":
+            model.fit(x, y, batch_size=MICRO_BATCH, epochs=1, verbose=0)
+        elif path == "dataset":
+            model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(MICRO_BATCH), verbose=0)
+        elif path == "unknown_length":
+            model.fit(unknown_length_dataset(x, y, MICRO_BATCH), epochs=1, verbose=0)
+        else:
+            model.train_on_batch(x[:MICRO_BATCH], y[:MICRO_BATCH])
+    assert max_abs_diff(model.get_weights(), before) == 0.0
+
+
+class OwnEvaluationSteps(GradientAccumulateModel):
+    """``test_step`` and ``predict_step`` of a subclass's own: Keras runs them."""
+
+    def test_step(self, data):
+        logs = super().test_step(data)
+        return {**logs, "own_test_step": 1.0}
+
+    def predict_step(self, data):
+        return super().predict_step(data) * 0.0 + 7.0
+
+
+def test_overridden_test_and_predict_steps_run():
+    x, y = make_regression_data(32)
+    model = build_dense(OwnEvaluationSteps, accum_steps=2)
+    model.compile(optimizer="sgd", loss="mse")
+    history = model.fit(x, y, batch_size=MICRO_BATCH, epochs=1, validation_data=(x, y), verbose=0)
+    assert history.history["val_own_test_step"] == [1.0]
+    assert model.evaluate(x, y, return_dict=True, verbose=0)["own_test_step"] == 1.0
+    np.testing.assert_array_equal(model.predict(x, verbose=0), np.full((32, 1), 7.0, "float32"))
