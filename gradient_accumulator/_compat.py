@@ -282,6 +282,46 @@ def creation_strategy(model):
     return model._distribute_strategy
 
 
+def functional_init_arguments(args, kwargs):
+    """Whether a model's constructor arguments build a functional model (inputs and outputs).
+
+    Keras's own test (``keras.src.models.model.functional_init_arguments``),
+    which decides in ``Model.__init__``; no public name.
+    """
+    from keras.src.models.model import functional_init_arguments as keras_test
+
+    return keras_test(args, kwargs)
+
+
+_FUNCTIONAL_FORMS = {}
+
+
+def functional_form(cls):
+    """``cls`` with Keras's ``Functional`` among its bases: the class of its functional instances.
+
+    Keras's ``Model.__init__`` turns a subclass built from inputs and outputs
+    into a functional model by assigning ``Functional`` into the ``__bases__``
+    of the subclass and of every ancestor up to ``Model``
+    (``inject_functional_model_class``): once one functional
+    ``GradientAccumulateModel`` exists, a subclass of it written the
+    subclassing way (no inputs, its own ``call``) fails to construct in that
+    process (``Functional.__init__() missing ... 'inputs' and 'outputs'``).
+    A functional instance is made of this class instead (one per ``cls``,
+    with its name, module and registered name), which leaves the ancestors
+    as they are.
+    """
+    if cls not in _FUNCTIONAL_FORMS:
+        namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        namespace["__doc__"] = cls.__doc__
+        form = type(cls.__name__, (cls, Functional), namespace)
+        registered = keras.saving.get_registered_name(cls)
+        if ">" in registered:
+            package, name = registered.split(">", 1)
+            keras.saving.register_keras_serializable(package=package, name=name)(form)
+        _FUNCTIONAL_FORMS[cls] = form
+    return _FUNCTIONAL_FORMS[cls]
+
+
 def functional_from_config(cls, config, custom_objects=None):
     """Keras's rebuilding of a functional model from its config (Keras < 3.7 only)."""
     from keras.src.models.functional import functional_from_config as rebuild

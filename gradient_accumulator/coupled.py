@@ -64,7 +64,8 @@ def _gather(tensors, rows, replicas):
     two summing all-reductions (the rows of each replica, then each replica's
     tensors placed at its rows of zeros): TensorFlow's ``all_gather`` fails
     under MultiWorkerMirroredStrategy ("destinations can not be empty", TF
-    2.21). Integer and boolean tensors cross as float64 (exact below 2**53).
+    2.21). Integer and boolean tensors cross as float64 (exact below 2**53),
+    one reduction per dtype.
     """
     context = tf.distribute.get_replica_context()
     replica = context.replica_id_in_sync_group
@@ -77,7 +78,13 @@ def _gather(tensors, rows, replicas):
         wire = t if t.dtype.is_floating else ops.cast(t, "float64")
         padding = [[offset, total - offset - rows]] + [[0, 0]] * (t.shape.rank - 1)
         padded.append(tf.pad(wire, padding))
-    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, padded)
+    # One reduction per dtype (a batched reduction concatenates its tensors).
+    summed = [None] * len(padded)
+    for dtype in {t.dtype for t in padded}:
+        indices = [i for i, t in enumerate(padded) if t.dtype == dtype]
+        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, [padded[i] for i in indices])
+        for i, r in zip(indices, reduced):
+            summed[i] = r
     return offset, [
         s if t.dtype.is_floating else ops.cast(s, t.dtype) for t, s in zip(tensors, summed)
     ]

@@ -9,13 +9,16 @@ from keras import ops
 
 from gradient_accumulator import noise_scale as noise_scale_module
 from gradient_accumulator._compat import (
+    Functional,
     build_compiled_metrics_outside_trace,
     builds_before_first_trace,
     compute_training_loss,
     creation_strategy,
     first_batch,
+    functional_form,
     functional_from_config,
     functional_from_config_keeps_arguments,
+    functional_init_arguments,
     loss_tracker,
     output_loss_trackers,
     recorded_loss_reductions,
@@ -307,6 +310,11 @@ class GradientAccumulateModel(keras.Model):
                 "(its loss is the group's). Received: noise_scale=True, "
                 f"coupled_loss={self.coupled_loss!r}"
             )
+        if functional_init_arguments(args, kwargs) and not isinstance(self, Functional):
+            # Built from inputs and outputs: an instance of the class's
+            # functional form, so that Keras does not turn this class (and
+            # every subclass written the subclassing way) into a functional one.
+            self.__class__ = functional_form(type(self))
         super().__init__(*args, **kwargs)
         self._accumulator = None
         self._group_loss = None

@@ -18,6 +18,11 @@ three groups and a shorter one of two micro-batches. Cases:
   32 whose loss is each replica's InfoNCE on its rows, averaged
   (:func:`per_replica_info_nce`).
 
+The same two cases (``retrieval_global``, ``retrieval_replica``) for the
+KerasRS-style retrieval model of ``tests/test_coupled.py``, whose candidate
+tower runs in ``compute_loss`` (the reference of ``replica`` scores each query
+against its own replica's rows only).
+
 Prints one results line: per case ``diff`` (max |weight difference|),
 ``moved`` (the reference's distance from the initial weights), ``updates``,
 ``loss`` and ``reference_loss`` (the logged epoch loss), and ``other``: the
@@ -35,7 +40,7 @@ from keras import ops
 from gradient_accumulator import GradientAccumulateModel
 from tests.helpers import max_abs_diff
 from tests.scripts import print_results, split_cpu, updates
-from tests.test_coupled import dual_encoder, info_nce, pairs
+from tests.test_coupled import dual_encoder, info_nce, pairs, ratings, retrieval
 
 REPLICAS = 2
 GLOBAL_MICRO_BATCH = 8
@@ -56,9 +61,11 @@ def per_replica_info_nce(y_true, y_pred):
     return losses
 
 
-def train(model, x, y, batch_size, loss, strategy=None):
+def train(model, x, y, batch_size, loss=None, strategy=None):
+    """Trains one epoch; ``loss=None``: the model's own ``compute_loss`` (retrieval)."""
+    learning_rate = 0.1 if loss is not None else 2.0
     with strategy.scope() if strategy is not None else contextlib.nullcontext():
-        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss=loss)
+        model.compile(optimizer=keras.optimizers.SGD(learning_rate, momentum=0.5), loss=loss)
     history = model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
     return history.history["loss"][-1]
 
@@ -86,6 +93,28 @@ def main(kind="mirrored"):
         reference, reference_loss = references[case]
         other = references["replica" if case == "global" else "global"][0]
         results[case] = {
+            "diff": max_abs_diff(reference.get_weights(), model.get_weights()),
+            "other": max_abs_diff(other.get_weights(), model.get_weights()),
+            "moved": max_abs_diff(reference.get_weights(), initial),
+            "updates": updates(model.optimizer),
+            "loss": loss,
+            "reference_loss": reference_loss,
+        }
+    # The KerasRS-style retrieval model: the candidate tower in `compute_loss`.
+    movies_x, movies_y = ratings(SAMPLES)
+    initial = retrieval().get_weights()
+    references = {}
+    for case, blocks in (("global", None), ("replica", (GLOBAL_MICRO_BATCH, REPLICAS))):
+        reference = retrieval(blocks=blocks)
+        reference_loss = train(reference, movies_x, movies_y, GLOBAL_MICRO_BATCH * ACCUM_STEPS)
+        references[case] = (reference, reference_loss)
+    for case in ("global", "replica"):
+        with strategy.scope():
+            model = retrieval(ACCUM_STEPS, coupled_loss=case)
+        loss = train(model, movies_x, movies_y, GLOBAL_MICRO_BATCH, None, strategy)
+        reference, reference_loss = references[case]
+        other = references["replica" if case == "global" else "global"][0]
+        results[f"retrieval_{case}"] = {
             "diff": max_abs_diff(reference.get_weights(), model.get_weights()),
             "other": max_abs_diff(other.get_weights(), model.get_weights()),
             "moved": max_abs_diff(reference.get_weights(), initial),
