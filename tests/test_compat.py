@@ -47,6 +47,39 @@ def test_functional_is_the_class_of_graph_models():
     )
 
 
+def test_functional_init_arguments_are_keras_s_test():
+    inputs = keras.Input((2,))
+    outputs = keras.layers.Dense(1)(inputs)
+    for args, kwargs in (((inputs, outputs), {}), ((inputs,), {"outputs": outputs})):
+        assert _compat.functional_init_arguments(args, kwargs), _changed(
+            "keras.src.models.model.functional_init_arguments", f"refuses {args}, {kwargs}"
+        )
+    assert not _compat.functional_init_arguments((), {"name": "m"}), _changed(
+        "keras.src.models.model.functional_init_arguments", "takes a subclass's arguments"
+    )
+
+
+def test_keras_injects_functional_into_a_model_class_s_ancestors():
+    """Why `functional_form` exists: Keras assigns `Functional` into the bases of the class."""
+
+    class Base(keras.Model):
+        pass
+
+    class Subclassed(Base):
+        def call(self, x):
+            return x
+
+    inputs = keras.Input((2,))
+    Base(inputs, keras.layers.Dense(1)(inputs))
+    assert _compat.Functional in Base.__mro__, _changed(
+        "keras.Model.__init__", "no longer injects Functional into a subclass built functionally"
+    )
+    with pytest.raises(TypeError, match="inputs"):
+        Subclassed()
+    form = _compat.functional_form(Subclassed)
+    assert form.__name__ == "Subclassed" and issubclass(form, _compat.Functional)
+
+
 def test_loss_tracker_is_the_metric_fit_reports():
     inputs = keras.Input((2,))
     model = keras.Model(inputs, keras.layers.Dense(1)(inputs))

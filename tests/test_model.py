@@ -1449,3 +1449,42 @@ def test_overridden_test_and_predict_steps_run():
     assert history.history["val_own_test_step"] == [1.0]
     assert model.evaluate(x, y, return_dict=True, verbose=0)["own_test_step"] == 1.0
     np.testing.assert_array_equal(model.predict(x, verbose=0), np.full((32, 1), 7.0, "float32"))
+
+
+class SubclassedWrapper(GradientAccumulateModel):
+    """A wrapper written the subclassing way: its layers as attributes, its own ``call``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(16, activation="tanh", name="hidden")
+        self.out = keras.layers.Dense(1, name="out")
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def test_functional_and_subclassed_wrappers_in_one_process():
+    """A functional wrapper leaves the class as it is: a subclass written the other way still works.
+
+    Keras assigns ``Functional`` into the bases of a model class built from
+    inputs and outputs (and of its ancestors); the wrapper's functional
+    instances are of a form of their own (``_compat.functional_form``).
+    Both train as the big batch, and the functional one saves and loads.
+    """
+    x, y = make_regression_data(64)
+    functional = build_dense(GradientAccumulateModel, accum_steps=4)
+    assert type(functional).__name__ == "GradientAccumulateModel"
+    assert GradientAccumulateModel.__bases__ == (keras.Model,)
+    keras.utils.set_random_seed(0)
+    subclassed = SubclassedWrapper(accum_steps=4)
+    subclassed(x[:1])  # builds its layers
+    reference = build_dense()
+    subclassed.set_weights(reference.get_weights())
+    for model, batch_size in ((reference, 32), (functional, 8), (subclassed, 8)):
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    assert_close(functional.get_weights(), reference.get_weights(), FLOAT32_ATOL)
+    assert_close(subclassed.get_weights(), reference.get_weights(), FLOAT32_ATOL)
+    config = functional.get_config()
+    restored = GradientAccumulateModel.from_config(config)
+    assert restored.accum_steps == 4 and type(restored) is type(functional)
