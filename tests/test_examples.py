@@ -31,6 +31,7 @@ TESTED_EXAMPLES = (
     "noise_scale.py",
     "kerashub_finetune.py",
     "tuning.py",
+    "retrieval.py",
 )
 
 
@@ -288,3 +289,18 @@ def test_kerashub_finetune():
     classifier = next(line for line in out.splitlines() if line.startswith("TextClassifier:"))
     assert value(r"from the task's own fit ([\d.e+-]+)", classifier) > 1e-4, out
     assert out.count("after save and load, the same: True") == 2, out
+
+
+def test_retrieval():
+    # A two-tower retrieval model written the KerasRS way (its candidate tower
+    # in `compute_loss`) on GradientAccumulateModel with coupled_loss: the big
+    # batch's weights within float32 rounding; coupled_loss=None is another
+    # objective, and the library warns about it. Evaluated with KerasRS's
+    # BruteForceRetrieval (keras-rs needs Python >= 3.11).
+    skip_without("keras_rs", "kerasrs")
+    out = run_example("retrieval.py")
+    assert value(r"moved by ([\d.e+-]+);", out) > 1e-3, out
+    assert value(r"coupled_loss='replica', .*max \|diff\| ([\d.e+-]+)", out) < FLOAT32_ATOL, out
+    assert value(r"coupled_loss=None, .*max \|diff\| ([\d.e+-]+)", out) > 1e-4, out
+    assert "coupled_loss=None warned: " in out, out
+    assert "equal to plain batch 64 within float32 rounding" in out, out
