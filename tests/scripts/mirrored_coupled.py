@@ -18,10 +18,11 @@ three groups and a shorter one of two micro-batches. Cases:
   32 whose loss is each replica's InfoNCE on its rows, averaged
   (:func:`per_replica_info_nce`).
 
-The same two cases (``retrieval_global``, ``retrieval_replica``) for the
-KerasRS-style retrieval model of ``tests/test_coupled.py``, whose candidate
-tower runs in ``compute_loss`` (the reference of ``replica`` scores each query
-against its own replica's rows only).
+The same two cases (``retrieval_<case>_global``, ``retrieval_<case>_replica``)
+for the KerasRS-style retrieval model of ``tests/test_coupled.py``, whose
+candidate tower runs in ``compute_loss``, for each of its loss-side cases (the
+reference of ``replica`` scores each query against its own replica's rows
+only).
 
 Prints one results line: per case ``diff`` (max |weight difference|),
 ``moved`` (the reference's distance from the initial weights), ``updates``,
@@ -40,7 +41,14 @@ from keras import ops
 from gradient_accumulator import GradientAccumulateModel
 from tests.helpers import max_abs_diff
 from tests.scripts import print_results, split_cpu, updates
-from tests.test_coupled import dual_encoder, info_nce, pairs, ratings, retrieval
+from tests.test_coupled import (
+    LOSS_SIDE_CASES,
+    dual_encoder,
+    info_nce,
+    pairs,
+    ratings,
+    retrieval,
+)
 
 REPLICAS = 2
 GLOBAL_MICRO_BATCH = 8
@@ -100,28 +108,33 @@ def main(kind="mirrored"):
             "loss": loss,
             "reference_loss": reference_loss,
         }
-    # The KerasRS-style retrieval model: the candidate tower in `compute_loss`.
+    # The KerasRS-style retrieval model: what its `compute_loss` reads besides
+    # the outputs (tests/test_coupled.py's cases but the metric's, which trains
+    # nothing; a loss-side BatchNormalization under 'global' only, where each
+    # replica normalises the global batch as the reference does).
     movies_x, movies_y = ratings(SAMPLES)
-    initial = retrieval().get_weights()
-    references = {}
-    for case, blocks in (("global", None), ("replica", (GLOBAL_MICRO_BATCH, REPLICAS))):
-        reference = retrieval(blocks=blocks)
-        reference_loss = train(reference, movies_x, movies_y, GLOBAL_MICRO_BATCH * ACCUM_STEPS)
-        references[case] = (reference, reference_loss)
-    for case in ("global", "replica"):
-        with strategy.scope():
-            model = retrieval(ACCUM_STEPS, coupled_loss=case)
-        loss = train(model, movies_x, movies_y, GLOBAL_MICRO_BATCH, None, strategy)
-        reference, reference_loss = references[case]
-        other = references["replica" if case == "global" else "global"][0]
-        results[f"retrieval_{case}"] = {
-            "diff": max_abs_diff(reference.get_weights(), model.get_weights()),
-            "other": max_abs_diff(other.get_weights(), model.get_weights()),
-            "moved": max_abs_diff(reference.get_weights(), initial),
-            "updates": updates(model.optimizer),
-            "loss": loss,
-            "reference_loss": reference_loss,
-        }
+    for loss_side in LOSS_SIDE_CASES[:-1]:
+        scopes = ("global",) if loss_side == "loss_layer_with_state" else ("global", "replica")
+        initial = retrieval(case=loss_side).get_weights()
+        references = {}
+        for case, blocks in (("global", None), ("replica", (GLOBAL_MICRO_BATCH, REPLICAS))):
+            reference = retrieval(case=loss_side, blocks=blocks)
+            big = GLOBAL_MICRO_BATCH * ACCUM_STEPS
+            references[case] = (reference, train(reference, movies_x, movies_y, big))
+        for case in scopes:
+            with strategy.scope():
+                model = retrieval(ACCUM_STEPS, case=loss_side, coupled_loss=case)
+            loss = train(model, movies_x, movies_y, GLOBAL_MICRO_BATCH, None, strategy)
+            reference, reference_loss = references[case]
+            other = references["replica" if case == "global" else "global"][0]
+            results[f"retrieval_{loss_side}_{case}"] = {
+                "diff": max_abs_diff(reference.get_weights(), model.get_weights()),
+                "other": max_abs_diff(other.get_weights(), model.get_weights()),
+                "moved": max_abs_diff(reference.get_weights(), initial),
+                "updates": updates(model.optimizer),
+                "loss": loss,
+                "reference_loss": reference_loss,
+            }
     print_results({"replicas": strategy.num_replicas_in_sync, "results": results})
 
 
