@@ -319,7 +319,16 @@ def functional_form(cls):
             package, name = registered.split(">", 1)
             keras.saving.register_keras_serializable(package=package, name=name)(form)
         _FUNCTIONAL_FORMS[cls] = form
+        _WRITTEN_CLASSES[form] = cls
     return _FUNCTIONAL_FORMS[cls]
+
+
+_WRITTEN_CLASSES = {}
+
+
+def written_class(model):
+    """The class ``model`` was made from: its class, or the class of its functional form."""
+    return _WRITTEN_CLASSES.get(type(model), type(model))
 
 
 def functional_from_config(cls, config, custom_objects=None):

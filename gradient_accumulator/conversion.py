@@ -6,7 +6,7 @@ import warnings
 import keras
 import numpy as np
 
-from gradient_accumulator._compat import Functional, optimizer_chain, sublayers
+from gradient_accumulator._compat import Functional, optimizer_chain, sublayers, written_class
 from gradient_accumulator._v05 import check_position
 from gradient_accumulator.layers import AccumBatchNormalization
 from gradient_accumulator.model import GradientAccumulateModel
@@ -292,7 +292,7 @@ class _Rewriter:
         return clones
 
     def warn(self, model, new_model):
-        if type(model) not in (Functional, keras.Sequential, GradientAccumulateModel):
+        if written_class(model) not in (Functional, keras.Sequential, GradientAccumulateModel):
             if type(new_model) is type(model):
                 rebuilt = (
                     f"as `{type(model).__name__}(inputs, outputs, name=...)`: "

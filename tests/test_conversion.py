@@ -15,6 +15,7 @@ from gradient_accumulator import (
     GradientAccumulateOptimizer,
     restore_batchnorm_layers,
 )
+from gradient_accumulator._compat import written_class
 from gradient_accumulator.layers import AccumBatchNormalization
 from gradient_accumulator.utils import replace_batchnorm_layers
 from tests.helpers import assert_close, run_script_module, script_results
@@ -608,7 +609,7 @@ def test_gradient_accumulate_model_keeps_its_arguments():
     wrapped.compile(optimizer="sgd", loss="mse")
     new = _convert_quietly(wrapped, accum_steps=3)
 
-    assert type(new) is GradientAccumulateModel and new.name == "wrapped"
+    assert written_class(new) is GradientAccumulateModel and new.name == "wrapped"
     assert (new.accum_steps, new.use_agc, new.clip_factor, new.eps) == (3, True, 0.05, 1e-2)
     assert new.compiled and new.optimizer is not wrapped.optimizer
     _assert_converted(wrapped, new, accum_steps=3)

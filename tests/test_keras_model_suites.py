@@ -31,7 +31,7 @@ import keras
 import pytest
 
 from gradient_accumulator import GradientAccumulateModel
-from gradient_accumulator._compat import Functional
+from gradient_accumulator._compat import Functional, written_class
 from tests.helpers import install_keras_test_cases
 
 # Keras's suites: out of the fast tier (``pytest --fast``, tests/conftest.py).
@@ -227,7 +227,7 @@ class _Probe(unittest.TestCase):
             keras.Model(inputs=inputs, outputs=outputs),
             Functional(inputs, outputs),
         ):
-            assert type(model) is GradientAccumulateModel and model.accum_steps == 1
+            assert written_class(model) is GradientAccumulateModel and model.accum_steps == 1
 
         class Subclassed(keras.Model):
             pass
