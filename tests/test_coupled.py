@@ -344,7 +344,9 @@ def test_two_replicas_equal_one_device(kind):
     for output in outputs:
         result = script_results(output)
         assert result["replicas"] == 2
-        assert len(result["results"]) == 2 + 2 * len(LOSS_SIDE_CASES[:-1]) - 1
+        # The dual encoder's two scopes, the retrieval model's cases (the
+        # loss-side BatchNormalization and reduce_every_micro_step: 'global').
+        assert len(result["results"]) == 2 + 2 * len(LOSS_SIDE_CASES[:-1]) - 1 + 1
         for case, figures in result["results"].items():
             assert_diff_below(figures["diff"], FLOAT32_ATOL, (case, figures))
             # The retrieval model's embeddings start small and move less.
@@ -750,3 +752,39 @@ def test_a_weight_only_add_loss_is_refused_by_name():
     x = np.ones((32, FEATURES), "float32")
     with pytest.raises(ValueError, match="adds 1 loss term.*`add_loss`.*coupled_loss='replica'"):
         model.fit(x, np.zeros((32, 1)), batch_size=MICRO, epochs=1, verbose=0)
+
+
+def test_float8_state_the_loss_reads_itself_is_refused_by_name():
+    """A float8 layer run in ``compute_loss``: its scales would be summed, not kept; refused."""
+
+    class Float8Loss(Retrieval):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.projection = keras.layers.Dense(EMBEDDING, use_bias=False, name="projection")
+
+        def build(self, input_shape):
+            super().build(input_shape)
+            self.projection.build((None, EMBEDDING))
+
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            candidates = self.projection(self.movies(y))
+            scores = ops.matmul(y_pred, ops.transpose(candidates))
+            return self.retrieval_loss(ops.arange(ops.shape(scores)[0]), scores)
+
+    class Accumulating(Float8Loss, GradientAccumulateModel):
+        pass
+
+    x, y = ratings(64)
+    keras.utils.set_random_seed(1)
+    model = Accumulating(accum_steps=4, coupled_loss="replica")
+    model.build(None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # layers without `quantize`
+        model.quantize("float8")
+    model.compile(optimizer="sgd")
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(
+        ValueError, match="Variable '.*projection.*' holds float8 state.*`compute_loss`"
+    ):
+        model.fit(x, y, batch_size=MICRO, epochs=1, verbose=0)
+    assert max_abs_diff(model.get_weights(), before) == 0.0

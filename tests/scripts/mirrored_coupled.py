@@ -113,8 +113,14 @@ def main(kind="mirrored"):
     # nothing; a loss-side BatchNormalization under 'global' only, where each
     # replica normalises the global batch as the reference does).
     movies_x, movies_y = ratings(SAMPLES)
-    for loss_side in LOSS_SIDE_CASES[:-1]:
-        scopes = ("global",) if loss_side == "loss_layer_with_state" else ("global", "replica")
+    for loss_side in (*LOSS_SIDE_CASES[:-1], "reduce_every_micro_step"):
+        scopes = ("global", "replica")
+        if loss_side in ("loss_layer_with_state", "reduce_every_micro_step"):
+            scopes = ("global",)
+        options = {}
+        if loss_side == "reduce_every_micro_step":
+            # The candidate tower, its sums all-reduced at every micro-step.
+            loss_side, options = "candidate_tower", {"reduce_every_micro_step": True}
         initial = retrieval(case=loss_side).get_weights()
         references = {}
         for case, blocks in (("global", None), ("replica", (GLOBAL_MICRO_BATCH, REPLICAS))):
@@ -123,11 +129,12 @@ def main(kind="mirrored"):
             references[case] = (reference, train(reference, movies_x, movies_y, big))
         for case in scopes:
             with strategy.scope():
-                model = retrieval(ACCUM_STEPS, case=loss_side, coupled_loss=case)
+                model = retrieval(ACCUM_STEPS, case=loss_side, coupled_loss=case, **options)
             loss = train(model, movies_x, movies_y, GLOBAL_MICRO_BATCH, None, strategy)
             reference, reference_loss = references[case]
             other = references["replica" if case == "global" else "global"][0]
-            results[f"retrieval_{loss_side}_{case}"] = {
+            name = "reduce_every_micro_step" if options else loss_side
+            results[f"retrieval_{name}_{case}"] = {
                 "diff": max_abs_diff(reference.get_weights(), model.get_weights()),
                 "other": max_abs_diff(other.get_weights(), model.get_weights()),
                 "moved": max_abs_diff(reference.get_weights(), initial),
