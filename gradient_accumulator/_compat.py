@@ -282,6 +282,15 @@ def creation_strategy(model):
     return model._distribute_strategy
 
 
+def is_eager_tensor(value):
+    """Whether ``value`` is an eager tensor (a constant captured by a traced function).
+
+    ``tf.__internal__.EagerTensor``: TensorFlow exports no public name for the
+    class, and ``tf.is_tensor`` is true of symbolic and eager tensors alike.
+    """
+    return isinstance(value, tf.__internal__.EagerTensor)
+
+
 def functional_init_arguments(args, kwargs):
     """Whether a model's constructor arguments build a functional model (inputs and outputs).
 

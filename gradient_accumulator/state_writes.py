@@ -35,6 +35,7 @@ import tensorflow as tf
 from keras import ops
 
 from gradient_accumulator._compat import (
+    is_eager_tensor,
     is_variable,
     raw_value,
     seed_generator_states,
@@ -56,7 +57,7 @@ def _symbolic(structure):
     return [
         t
         for t in tf.nest.flatten(structure, expand_composites=True)
-        if tf.is_tensor(t) and not isinstance(t, tf.__internal__.EagerTensor)
+        if tf.is_tensor(t) and not is_eager_tensor(t)
     ]
 
 
@@ -79,7 +80,7 @@ def depends_on(tensor, sources):
         current = stack.pop()
         if current.ref() in sources:
             return True
-        if current.ref() in seen or isinstance(current, tf.__internal__.EagerTensor):
+        if current.ref() in seen or is_eager_tensor(current):
             continue  # a captured constant has no ancestors
         seen.add(current.ref())
         stack.extend(current.op.inputs)
@@ -226,7 +227,7 @@ class StateWrites:
             if not stack:
                 return original(value, *args, **kwargs)
             frame = stack[-1]
-            if tf.is_tensor(value) and not isinstance(value, tf.__internal__.EagerTensor):
+            if tf.is_tensor(value) and not is_eager_tensor(value):
                 self._depends[id(variable)] = depends_on(value, frame["sources"])
             if self._depends.get(id(variable), False) and not frame["recording"]:
                 self._refuse(variable)

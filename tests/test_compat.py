@@ -47,6 +47,21 @@ def test_functional_is_the_class_of_graph_models():
     )
 
 
+def test_eager_tensors_are_told_from_symbolic_ones():
+    assert _compat.is_eager_tensor(tf.constant(1.0)), _changed(
+        "tf.__internal__.EagerTensor", "is not the class of an eager tensor"
+    )
+    seen = []
+
+    @tf.function
+    def traced(x):
+        seen.append(_compat.is_eager_tensor(x))
+        return x
+
+    traced(tf.constant(1.0))
+    assert seen == [False], _changed("tf.__internal__.EagerTensor", "takes a symbolic tensor")
+
+
 def test_functional_init_arguments_are_keras_s_test():
     inputs = keras.Input((2,))
     outputs = keras.layers.Dense(1)(inputs)
