@@ -303,6 +303,7 @@ def functional_init_arguments(args, kwargs):
 
 
 _FUNCTIONAL_FORMS = {}
+_FORM_ATTRIBUTE = "_keras_functional_form"
 
 
 def functional_form(cls):
@@ -317,12 +318,16 @@ def functional_form(cls):
     process (``Functional.__init__() missing ... 'inputs' and 'outputs'``).
     A functional instance is made of this class instead (one per ``cls``,
     with its name, module and registered name), which leaves the ancestors
-    as they are.
+    as they are. It is the class's attribute ``_keras_functional_form``,
+    where pickle finds it.
     """
     if cls not in _FUNCTIONAL_FORMS:
-        namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
-        namespace["__doc__"] = cls.__doc__
+        # Found by pickle (Keras pickles a model's class method) as an
+        # attribute of ``cls`` in its module.
+        qualname = f"{cls.__qualname__}.{_FORM_ATTRIBUTE}"
+        namespace = {"__module__": cls.__module__, "__qualname__": qualname, "__doc__": cls.__doc__}
         form = type(cls.__name__, (cls, Functional), namespace)
+        setattr(cls, _FORM_ATTRIBUTE, form)
         registered = keras.saving.get_registered_name(cls)
         if ">" in registered:
             package, name = registered.split(">", 1)
