@@ -296,3 +296,20 @@ def test_mirrored_every_accum_steps_equals_one_device(mirrored_results, case):
     if case.startswith("model-"):
         # The logged gradient_norm: the global big batch's gradient norm.
         assert result["norm_rdiff"] < 1e-5, result
+
+
+def test_a_micro_batch_s_path_through_the_package_stays_within_its_bound():
+    """The package functions on one micro-batch's way to the inner apply (fit, graph, one device).
+
+    ``tests/scripts/call_path.py`` lists them (``--verbose``). A ratchet: the
+    bound is what the code has now (19 functions in 6 modules, 3 calls from
+    a module up to one that imports it); a change that lengthens the way
+    fails here, one that shortens it lowers the bound.
+    """
+    from tests.scripts.call_path import measure
+
+    figures = measure("model", "known", "graph")
+    assert set(figures["points"]) == {"forward", "loss", "gradient", "add", "apply"}
+    assert len(figures["path"]) <= 19, figures["path"]
+    assert len(figures["modules"]) <= 6, figures["modules"]
+    assert len(figures["calls_back_up"]) <= 3, figures["calls_back_up"]

@@ -18,10 +18,15 @@ until the inner optimizer's ``apply`` is entered. Prints per configuration:
 The figures describe the code's structure, not its speed: tracing runs each
 Python function of the step once. ``--replicas 2`` runs the same under
 ``MirroredStrategy`` over two logical CPUs (graph mode only: XLA is refused
-with several replicas); run it in a fresh process.
+with several replicas); run it in a fresh process. There each replica's
+function runs in a thread of its own, whose stacks start at the thread: the
+frames that called ``strategy.run`` are not on them, so its figures count
+the replica's part of the way only.
 
-Run: ``python -m benchmarks.call_path`` (~20 s); ``--replicas 2``;
-``--quick`` (CI: graph mode, known length, the model wrapper).
+Run: ``python -m tests.scripts.call_path`` (~20 s; ``--verbose`` lists each
+path); ``--replicas 2``; ``--quick``: graph mode, known length, the model
+wrapper. ``tests/test_runner.py`` keeps the one-device graph path of the
+model wrapper within its bound.
 """
 
 import argparse
@@ -29,9 +34,10 @@ import ast
 import json
 import os
 import sys
+import threading
 
-PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
-PACKAGE_DIR = os.path.join(PACKAGE, "gradient_accumulator")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGE_DIR = os.path.join(ROOT, "gradient_accumulator")
 
 WRAPPERS = ("model", "optimizer")
 LENGTHS = ("known", "unknown")
@@ -51,7 +57,8 @@ def _imports():
         if not name.endswith(".py"):
             continue
         module = name[:-3]
-        tree = ast.parse(open(os.path.join(PACKAGE_DIR, name)).read())
+        with open(os.path.join(PACKAGE_DIR, name)) as source:
+            tree = ast.parse(source.read())
         found = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
@@ -171,11 +178,14 @@ def measure(wrapper, length, mode, strategy=None):
         def on_train_batch_begin(self, batch, logs=None):
             recorder.recording = recorder.stack is None
 
+    # MirroredStrategy runs each replica's function in a thread of its own.
+    threading.setprofile(recorder)
     sys.setprofile(recorder)
     try:
         model.fit(data, epochs=1, verbose=0, callbacks=[Start()])
     finally:
         sys.setprofile(None)
+        threading.setprofile(None)
     called = []
     for _, module, function in recorder.calls:
         name = f"{module}.{function}"
