@@ -252,6 +252,15 @@ class GradientAccumulateModel(keras.Model):
     4
     """
 
+    def __new__(cls, *args, **kwargs):
+        # Built from inputs and outputs: an instance of the class's functional
+        # form (before Keras's `Layer.__new__` binds its methods), so that
+        # Keras does not turn this class, and every subclass of it written the
+        # subclassing way, into a functional one.
+        if functional_init_arguments(args, kwargs) and not issubclass(cls, Functional):
+            cls = functional_form(cls)
+        return super().__new__(cls, *args, **kwargs)
+
     def __init__(
         self,
         *args,
@@ -310,11 +319,6 @@ class GradientAccumulateModel(keras.Model):
                 "(its loss is the group's). Received: noise_scale=True, "
                 f"coupled_loss={self.coupled_loss!r}"
             )
-        if functional_init_arguments(args, kwargs) and not isinstance(self, Functional):
-            # Built from inputs and outputs: an instance of the class's
-            # functional form, so that Keras does not turn this class (and
-            # every subclass written the subclassing way) into a functional one.
-            self.__class__ = functional_form(type(self))
         super().__init__(*args, **kwargs)
         self._accumulator = None
         self._group_loss = None
