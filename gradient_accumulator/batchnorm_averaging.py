@@ -75,8 +75,11 @@ def average_batchnorm_statistics(model):
     if cached is None or cached[0] != key:
 
         def average_in_replica():
+            # Copies of the reads: MultiWorkerMirroredStrategy cannot all-reduce
+            # a variable's read itself ("destinations can not be empty", TF 2.21).
+            values = [tf.identity(ops.convert_to_tensor(v)) for v in variables]
             means = tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.MEAN, [ops.convert_to_tensor(v) for v in variables]
+                tf.distribute.ReduceOp.MEAN, values
             )
             for variable, mean in zip(variables, means):
                 variable.assign(mean)
