@@ -311,17 +311,34 @@ def test_what_cannot_see_a_whole_group_is_refused(how):
             model.group_step([batch] * 4)
 
 
-def test_data_dependent_layer_losses_are_refused():
+class Penalized(keras.layers.Layer):
+    """A layer whose ``call`` adds a loss of its own weight (``add_loss``), the only use of it."""
+
+    def build(self, shape):
+        self.w = self.add_weight((shape[-1],), initializer="ones")
+
+    def call(self, x):
+        self.add_loss(ops.sum(ops.square(self.w)))
+        return x
+
+
+@pytest.mark.parametrize("term", ["activity_regularizer", "add_loss"])
+def test_loss_terms_of_the_forward_pass_are_refused_by_name(term):
+    """Terms a micro-batch's forward pass adds are not part of the group's loss: refused."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((FEATURES,))
-    hidden = keras.layers.Dense(16, activity_regularizer="l2")(inputs)
+    if term == "activity_regularizer":
+        hidden = keras.layers.Dense(16, activity_regularizer="l2")(inputs)
+    else:
+        hidden = Penalized()(keras.layers.Dense(16)(inputs))
     outputs = keras.layers.Concatenate()([hidden[:, :8], hidden[:, 8:]])
     model = GradientAccumulateModel(
         accum_steps=2, coupled_loss="replica", inputs=inputs, outputs=outputs
     )
     model.compile(optimizer="sgd", loss=info_nce)
     x = np.ones((32, FEATURES), "float32")
-    with pytest.raises(ValueError, match="adds 1 loss term.*activity regularizer"):
+    message = "adds 1 loss term.*activity regularizer or `add_loss`.*coupled_loss='replica'"
+    with pytest.raises(ValueError, match=message):
         model.fit(x, np.zeros((32, 1)), batch_size=MICRO, epochs=1, verbose=0)
 
 
@@ -729,29 +746,6 @@ def test_regularizers_are_the_loss_s_own():
     reference, _ = train_retrieval(models[0], x, y, 32)
     model, _ = train_retrieval(models[1], x, y, MICRO)
     assert_close(model.get_weights(), reference.get_weights(), FLOAT32_ATOL)
-
-
-def test_a_weight_only_add_loss_is_refused_by_name():
-    """A term ``add_loss`` adds in the forward pass: not part of the group's loss, refused."""
-
-    class Penalized(keras.layers.Layer):
-        def build(self, shape):
-            self.w = self.add_weight((shape[-1],), initializer="ones")
-
-        def call(self, x):
-            self.add_loss(ops.sum(ops.square(self.w)))
-            return x
-
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((FEATURES,))
-    outputs = Penalized()(keras.layers.Dense(16)(inputs))
-    model = GradientAccumulateModel(
-        accum_steps=2, coupled_loss="replica", inputs=inputs, outputs=outputs
-    )
-    model.compile(optimizer="sgd", loss=info_nce)
-    x = np.ones((32, FEATURES), "float32")
-    with pytest.raises(ValueError, match="adds 1 loss term.*`add_loss`.*coupled_loss='replica'"):
-        model.fit(x, np.zeros((32, 1)), batch_size=MICRO, epochs=1, verbose=0)
 
 
 def test_float8_state_the_loss_reads_itself_is_refused_by_name():

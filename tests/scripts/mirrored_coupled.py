@@ -78,6 +78,20 @@ def train(model, x, y, batch_size, loss=None, strategy=None):
     return history.history["loss"][-1]
 
 
+def figures(model, loss, references, case, initial):
+    """A case's results line entry: ``references`` maps each case to ``(model, loss)``."""
+    reference, reference_loss = references[case]
+    other = references["replica" if case == "global" else "global"][0]
+    return {
+        "diff": max_abs_diff(reference.get_weights(), model.get_weights()),
+        "other": max_abs_diff(other.get_weights(), model.get_weights()),
+        "moved": max_abs_diff(reference.get_weights(), initial),
+        "updates": updates(model.optimizer),
+        "loss": loss,
+        "reference_loss": reference_loss,
+    }
+
+
 def main(kind="mirrored"):
     if kind == "multi_worker":
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -98,16 +112,7 @@ def main(kind="mirrored"):
                 GradientAccumulateModel, accum_steps=ACCUM_STEPS, coupled_loss=case
             )
         loss = train(model, x, y, GLOBAL_MICRO_BATCH, info_nce, strategy)
-        reference, reference_loss = references[case]
-        other = references["replica" if case == "global" else "global"][0]
-        results[case] = {
-            "diff": max_abs_diff(reference.get_weights(), model.get_weights()),
-            "other": max_abs_diff(other.get_weights(), model.get_weights()),
-            "moved": max_abs_diff(reference.get_weights(), initial),
-            "updates": updates(model.optimizer),
-            "loss": loss,
-            "reference_loss": reference_loss,
-        }
+        results[case] = figures(model, loss, references, case, initial)
     # The KerasRS-style retrieval model: what its `compute_loss` reads besides
     # the outputs (tests/test_coupled.py's cases but the metric's, which trains
     # nothing; a loss-side BatchNormalization under 'global' only, where each
@@ -131,17 +136,8 @@ def main(kind="mirrored"):
             with strategy.scope():
                 model = retrieval(ACCUM_STEPS, case=loss_side, coupled_loss=case, **options)
             loss = train(model, movies_x, movies_y, GLOBAL_MICRO_BATCH, None, strategy)
-            reference, reference_loss = references[case]
-            other = references["replica" if case == "global" else "global"][0]
             name = "reduce_every_micro_step" if options else loss_side
-            results[f"retrieval_{name}_{case}"] = {
-                "diff": max_abs_diff(reference.get_weights(), model.get_weights()),
-                "other": max_abs_diff(other.get_weights(), model.get_weights()),
-                "moved": max_abs_diff(reference.get_weights(), initial),
-                "updates": updates(model.optimizer),
-                "loss": loss,
-                "reference_loss": reference_loss,
-            }
+            results[f"retrieval_{name}_{case}"] = figures(model, loss, references, case, initial)
     print_results({"replicas": strategy.num_replicas_in_sync, "results": results})
 
 
