@@ -73,13 +73,28 @@ def _imports():
     return imports
 
 
+def _qualname(code):
+    """A function's qualified name (Python >= 3.11), or its name."""
+    return getattr(code, "co_qualname", code.co_name)
+
+
+# Comprehensions are frames of their own before Python 3.12 (PEP 709), not
+# functions of the design: left out, so that the figures do not depend on
+# the Python version.
+_COMPREHENSIONS = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")
+
+
+def _counted(code):
+    return code.co_name not in _COMPREHENSIONS
+
+
 def _package_stack(frame):
     """The package functions on the stack at ``frame``, outermost first."""
     stack = []
     while frame is not None:
         module = _module_of(frame.f_code.co_filename)
-        if module is not None:
-            stack.append(f"{module}.{frame.f_code.co_qualname}")
+        if module is not None and _counted(frame.f_code):
+            stack.append(f"{module}.{_qualname(frame.f_code)}")
         frame = frame.f_back
     return stack[::-1]
 
@@ -124,7 +139,8 @@ class _Recorder:
             if caller_module is not None:
                 break
             caller = caller.f_back
-        self.calls.append((caller_module, module, frame.f_code.co_qualname))
+        if _counted(frame.f_code):
+            self.calls.append((caller_module, module, _qualname(frame.f_code)))
 
     def at_apply(self):
         if self.stack is not None:
