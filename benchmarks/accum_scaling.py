@@ -89,6 +89,7 @@ def child(config):
     import tensorflow as tf
 
     from gradient_accumulator import GradientAccumulateModel
+    from gradient_accumulator.runner import WHOLE_GROUPS
 
     builder, shape = MODELS[config["model"]]
     accum_steps, jit = config["accum_steps"], config["mode"] == "jit"
@@ -127,10 +128,10 @@ def child(config):
             wall, cpu = epoch(model)
             walls[name].append(wall / steps)
             cpus[name].append(cpu / steps)
-    functions = library._runner._functions
+    runner = library._runner
     # Without the noise scale every group is traced as one that measures.
-    xla = functions.get(("xla", True), ())
-    traced = [functions[("group", True)], *xla[:1], *xla[2:]]
+    xla = runner.compiled("xla") or ()
+    traced = [runner.compiled(WHOLE_GROUPS), *xla[:1], *xla[2:]]
     record = {
         **config,
         "micro_batch": MICRO_BATCH,

@@ -37,6 +37,10 @@ from gradient_accumulator._compat import (
     build_compiled_metrics_outside_trace,
     compute_training_loss,
     loss_tracker,
+    per_replica,
+    raw_value,
+    reduce_replica_logs,
+    seed_generator_states,
 )
 from gradient_accumulator.distribute import logs_for_keras
 from gradient_accumulator.engine import update_step_scope
@@ -206,18 +210,78 @@ def _batch_size(x):
     return ops.shape(tf.nest.flatten(x)[0])[0]
 
 
+def _tensor_leaves(data):
+    """The tensors of a batch's structure, and what :func:`_packed` puts them back into."""
+    flat = tf.nest.flatten(data)
+    template = tf.nest.pack_sequence_as(data, [None if t is None else 0 for t in flat])
+    return [t for t in flat if t is not None], (template, [t is None for t in flat])
+
+
+def _replicas_leaves(strategy, data):
+    """Per local replica, the tensors of its shard of ``data`` (:func:`_tensor_leaves`)."""
+    leaves, _ = _tensor_leaves(data)
+    local = [strategy.experimental_local_results(t) for t in leaves]
+    return [[each[r] for each in local] for r in range(len(local[0]))]
+
+
+def _replicas_results(strategy, result):
+    """Per local replica, its part of ``strategy.run``'s ``result`` (a structure)."""
+    flat = tf.nest.flatten(result)
+    local = [strategy.experimental_local_results(t) for t in flat]
+    return [
+        tf.nest.pack_sequence_as(result, [each[r] for each in local]) for r in range(len(local[0]))
+    ]
+
+
+def _replica_devices(strategy):
+    """The local replicas' devices (``None``: the default strategy's one, unplaced)."""
+    try:
+        return list(strategy.extended.worker_devices)
+    except RuntimeError:  # the default strategy has none
+        return [None]
+
+
+def _distributed(values):
+    """``values`` (one structure per local replica) as ``strategy.run``'s argument."""
+    if len(values) == 1:
+        return values[0]
+    return tf.nest.map_structure(lambda *each: per_replica(each), *values)
+
+
+def _packed(structure, leaves):
+    template, missing = structure
+    values = iter(leaves)
+    return tf.nest.pack_sequence_as(template, [None if m else next(values) for m in missing])
+
+
+def _cached_values(leaves, outputs):
+    """Per local replica, what the first pass caches of a micro-batch: tensors, outputs, rows."""
+    return [[*each, *out, tf.shape(each[0])[0]] for each, out in zip(leaves, outputs)]
+
+
+def _cache(like, length, device=None):
+    """A ``TensorArray`` of ``length`` micro-batches' rows of tensors like ``like``."""
+    shape = like.shape[1:] if like.shape.rank else like.shape
+    element = tf.TensorShape([None]).concatenate(shape) if like.shape.rank else shape
+    with tf.device(device):
+        return tf.TensorArray(like.dtype, size=length, infer_shape=False, element_shape=element)
+
+
 class CoupledGroup:
     """The replica-context steps of a group whose loss couples its samples.
 
-    The runner (:meth:`~gradient_accumulator.runner.GroupRunner.coupled_group_function`)
-    caches what they return between them.
+    :meth:`group_function` runs them, caching what they return between
+    them; the runner picks it for a model with ``coupled_loss``.
 
     Args:
         model: The ``GradientAccumulateModel``.
+        steps: Its :class:`~gradient_accumulator.steps.ModelSteps` (the
+            group's end).
     """
 
-    def __init__(self, model):
+    def __init__(self, model, steps):
         self._model = model
+        self._steps = steps
         self._output_structure = None  # the model's outputs, as the first pass traced them
         # The sums that the group's trace adds to: by its loss (`loss`) and
         # by its micro-steps (`backward`); the update applies their union.
@@ -231,7 +295,7 @@ class CoupledGroup:
         (:meth:`~gradient_accumulator.state_writes.StateWrites.once_per_update`).
         """
         model = self._model
-        model._check_trainable_variables_unchanged()
+        self._steps.check_variables()
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         with (
             update_step_scope(tf.constant(False)),
@@ -309,7 +373,7 @@ class CoupledGroup:
         # The loss's own dependence on weights, the outputs held fixed: what
         # `compute_loss` reads itself (a candidate tower, the regularizers).
         # It is the group's, not a micro-batch's: added to the sums once.
-        self._loss_slots = model._accumulator.add_group_gradients(
+        self._loss_slots = self._steps.accumulator.add_group_gradients(
             tape.gradient(scaled_share, variables), variables
         )
         del tape
@@ -342,7 +406,7 @@ class CoupledGroup:
             the passes agree; see :func:`check_replayed`).
         """
         model = self._model
-        accumulator = model._accumulator
+        accumulator = self._steps.accumulator
         variables = model.trainable_variables
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         first = ops.cast(is_first, "float32")
@@ -362,7 +426,7 @@ class CoupledGroup:
             )
             objective = model.optimizer.scale_loss(objective)
         grads = tape.gradient(objective, variables)
-        self._step_slots = accumulator.add_classes([grads], [first])
+        self._step_slots = accumulator.add([grads], [first])
         drift = ops.max(
             ops.stack(
                 [
@@ -374,12 +438,158 @@ class CoupledGroup:
         )
         return accumulator.micro_step.read_value(), tf.stop_gradient(drift)
 
-    def update(self):
-        """The group's update (replica context), once its last :meth:`backward` has added.
+    def end_group(self):
+        """The group's end (replica context), once its last :meth:`backward` has added.
 
         Every sum the group added to, by its loss or its micro-steps, goes to
-        the optimizer.
+        the optimizer (:meth:`~gradient_accumulator.steps.ModelSteps.end_group`).
+        """
+        self._steps.end_group(True, present=sorted({*self._loss_slots, *self._step_slots}))
+
+    def group_function(self):
+        """One whole group in two passes: ``(iterator, length) -> logs``, to compile.
+
+        The module's docstring says why and what each pass is. Here: the
+        first pass, a ``tf.while_loop`` of one micro-batch after
+        the other, fetches each micro-batch and caches it, its outputs and
+        its seed generators' states in ``TensorArray`` s (the first
+        micro-batch peeled off the loop: its outputs give the caches' types);
+        the loss then runs on the caches concatenated; the second pass, a
+        loop again, puts back each micro-batch's seed states and adds its
+        gradients. Then the update. The loops run one iteration at a time
+        (``parallel_iterations=1``), so that one micro-batch's activations
+        are alive at a time. Under XLA, each step is a program of its own.
         """
         model = self._model
-        model._apply_statistics(True)
-        model._update(True, present=sorted({*self._loss_slots, *self._step_slots}))
+        strategy = model.distribute_strategy
+        forward, loss, backward, update = self._passes()
+
+        def group(iterator, length):
+            seeds = seed_generator_states(model)
+            devices = _replica_devices(strategy)
+            data = next(iterator)
+            _, structure = _tensor_leaves(data)
+            leaves = _replicas_leaves(strategy, data)
+            saved = [raw_value(seed) for seed in seeds]
+            outputs = forward(leaves, structure, tf.constant(True))
+            # Per replica: its micro-batch's tensors, outputs, rows; the seed states.
+            caches = [
+                [_cache(t, length, device).write(0, t) for t in values]
+                for values, device in zip(_cached_values(leaves, outputs), devices)
+            ]
+            seed_caches = [_cache(t, length).write(0, t) for t in saved]
+
+            def first_pass(index, caches, seed_caches):
+                flows = [c.flow for c in tf.nest.flatten(caches) + seed_caches]
+                with tf.control_dependencies(flows):
+                    data = next(iterator)
+                leaves = _replicas_leaves(strategy, data)
+                saved = [raw_value(seed) for seed in seeds]
+                outputs = forward(leaves, structure, tf.constant(False))
+                caches = [
+                    [c.write(index, v) for c, v in zip(replica_caches, values)]
+                    for replica_caches, values in zip(caches, _cached_values(leaves, outputs))
+                ]
+                seed_caches = [c.write(index, v) for c, v in zip(seed_caches, saved)]
+                return index + 1, caches, seed_caches
+
+            _, caches, seed_caches = tf.while_loop(
+                lambda index, *_: index < length,
+                first_pass,
+                (tf.constant(1, "int32"), caches, seed_caches),
+                parallel_iterations=1,
+            )
+            n_leaves = len(leaves[0])
+            group_leaves = [[c.concat() for c in each[:n_leaves]] for each in caches]
+            group_outputs = [[c.concat() for c in each[n_leaves:-1]] for each in caches]
+            output_grads, logs = loss(group_leaves, group_outputs, structure)
+            rows = [each[-1].stack() for each in caches]
+            grad_caches = [
+                [_cache(g, length, device).split(g, replica_rows) for g in grads]
+                for grads, replica_rows, device in zip(output_grads, rows, devices)
+            ]
+
+            def second_pass(index, done, drift):
+                with tf.control_dependencies([done]):
+                    for seed, cache in zip(seeds, seed_caches):
+                        seed.assign(cache.read(index))
+                    leaves = [[c.read(index) for c in each[:n_leaves]] for each in caches]
+                grads = [[c.read(index) for c in each] for each in grad_caches]
+                first = [[c.read(index) for c in each[n_leaves:-1]] for each in caches]
+                marker, step_drift = backward(leaves, grads, structure, ops.equal(index, 0), first)
+                return index + 1, marker, ops.maximum(drift, step_drift)
+
+            _, _, drift = tf.while_loop(
+                lambda index, *_: index < length,
+                second_pass,
+                (tf.constant(0, "int32"), tf.zeros((), "int64"), tf.zeros(())),
+                parallel_iterations=1,
+            )
+            with tf.control_dependencies([check_replayed(drift, model.name)]):
+                update()
+            return self._steps.with_update_logs(logs)
+
+        return group
+
+    def _passes(self):
+        """The two-pass group's ``(forward, loss, backward, update)``, in graph or XLA mode.
+
+        Called in cross-replica context with per-replica lists (one entry
+        per local replica) of the batch's tensors (``structure`` packs them:
+        :func:`_tensor_leaves`), outputs and output gradients; ``forward``
+        returns the replicas' outputs, ``loss`` their output gradients and
+        the reduced logs, ``backward`` a marker computed after the adds.
+        """
+        model = self._model
+        strategy = model.distribute_strategy
+        coupled = self
+        batch = {}  # the batch's structure, set by the group's trace (`pack`)
+
+        def pack(leaves):
+            return _packed(batch["structure"], leaves)
+
+        def forward_in_replica(leaves, is_first):
+            return coupled.forward(pack(leaves), is_first)
+
+        def loss_in_replica(leaves, outputs):
+            return coupled.loss(pack(leaves), outputs)
+
+        def backward_in_replica(leaves, grads, is_first, first_outputs):
+            return coupled.backward(pack(leaves), grads, is_first, first_outputs)
+
+        if model.jit_compile and not model.run_eagerly:
+            # One replica (XLA is refused with several): each a program of its own.
+            def compiled(fn):
+                return tf.function(fn, reduce_retracing=True, jit_compile=True, autograph=False)
+
+            forward_in_replica = compiled(forward_in_replica)
+            loss_in_replica = compiled(loss_in_replica)
+            backward_in_replica = compiled(backward_in_replica)
+
+        def forward(leaves, structure, is_first):
+            batch["structure"] = structure
+            result = strategy.run(forward_in_replica, args=(_distributed(leaves), is_first))
+            return _replicas_results(strategy, result)
+
+        def loss(leaves, outputs, structure):
+            batch["structure"] = structure
+            grads, logs = strategy.run(
+                loss_in_replica, args=(_distributed(leaves), _distributed(outputs))
+            )
+            return _replicas_results(strategy, grads), reduce_replica_logs(logs, strategy)
+
+        def backward(leaves, grads, structure, is_first, first_outputs):
+            batch["structure"] = structure
+            arguments = (_distributed(leaves), _distributed(grads), is_first)
+            marker, drift = strategy.run(
+                backward_in_replica, args=(*arguments, _distributed(first_outputs))
+            )
+            marker = ops.sum(ops.stack(strategy.experimental_local_results(marker)))
+            return marker, ops.max(ops.stack(strategy.experimental_local_results(drift)))
+
+        def update():
+            strategy.run(coupled.end_group)
+
+        if model.jit_compile and not model.run_eagerly:
+            update = tf.function(update, jit_compile=True, autograph=False)
+        return forward, loss, backward, update

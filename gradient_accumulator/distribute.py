@@ -171,7 +171,7 @@ def sum_across_replicas_if(condition, values, fn):
 
     Where collectives may sit in a replica-context conditional (no strategy,
     or an XLA-compiled step on GPUs only), the conditional stays in the
-    replica (:func:`_sum_if_in_replica`). Elsewhere (``MirroredStrategy``,
+    replica (:func:`sum_in_replica`). Elsewhere (``MirroredStrategy``,
     ``MultiWorkerMirroredStrategy`` on CPUs) it is taken in cross-replica
     context and re-enters the replicas (:func:`_sum_if_in_cross_replica`),
     the pattern of Keras's ``LossScaleOptimizer``: ``fn`` may then call
@@ -188,28 +188,29 @@ def sum_across_replicas_if(condition, values, fn):
             replica's values).
         fn: Callable taking one reduced tensor per entry of ``values``.
     """
-    in_replica = supports_collectives_in_conditionals()
-    if isinstance(condition, bool):
-        if condition:
-            (_sum_in_replica if in_replica else _sum_in_cross_replica)(values, fn)
-        return
-    if in_replica:
-        _sum_if_in_replica(condition, values, fn)
-    else:
+    if supports_collectives_in_conditionals():
+        if condition is True:
+            fn(*sum_in_replica(values))
+        elif condition is not False:
+            tf.cond(condition, lambda: fn(*sum_in_replica(values)), lambda: None)
+    elif condition is True:
+        _sum_in_cross_replica(values, fn)
+    elif condition is not False:
         _sum_if_in_cross_replica(condition, values, fn)
 
 
-def _sum_in_replica(values, fn):
+def sum_in_replica(values):
+    """``values`` summed over the replicas in one batch, in replica context (a list).
+
+    Where :func:`supports_collectives_in_conditionals`, also inside a
+    replica's conditional.
+    """
     # Identities: inside a conditional, the batch must come from one graph,
     # the branch's (variables are read there; tensors may come from outside).
     sums = [tf.identity(v) for v in values]
     if sums:
         sums = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, sums)
-    fn(*sums)
-
-
-def _sum_if_in_replica(condition, values, fn):
-    tf.cond(condition, lambda: _sum_in_replica(values, fn), lambda: None)
+    return sums
 
 
 def _reduce_then_run(strategy, values, fn):

@@ -1,41 +1,26 @@
 """The accumulation engine shared by the model wrapper, the optimizer wrapper and BN.
 
 One :class:`GradientAccumulator` holds the float32 gradient sums of one
-accumulation group and decides, once per micro-step, whether this micro-step
-ends the group (an *update step*). Everything that must line up with the
-optimizer update reads that decision from here: the optimizer is called with
-the accumulated gradient, and layers such as ``AccumBatchNormalization`` read it
+accumulation group: their state, the normaliser classes they are kept by,
+their persistence in weights files, and the add of each micro-step. It
+decides, once per micro-step, whether this micro-step ends the group (a
+:class:`MicroStep`); everything that must line up with the optimizer update
+reads that decision: the update (:mod:`gradient_accumulator.update`, where
+the formula is written) and layers such as ``AccumBatchNormalization``,
 through :func:`current_update_step` while the model's forward pass is traced.
-
-The sums cross the replicas once per update, in one batched all-reduce
-(:func:`gradient_accumulator.distribute.sum_across_replicas_if`); a micro-step
-that does not update communicates nothing.
 """
 
 import contextlib
-import functools
 import threading
 import warnings
 
-import keras
 import numpy as np
 import tensorflow as tf
 from keras import ops
 
 from gradient_accumulator import noise_scale
-from gradient_accumulator._compat import (
-    KerasSaveable,
-    in_xla_compilation,
-    optimizer_chain,
-    scatter_add_in_place,
-)
-from gradient_accumulator.distribute import (
-    all_reduce_in_replica,
-    by_replica,
-    gradients_already_reduced,
-    maximum_of_rows,
-    sum_across_replicas_if,
-)
+from gradient_accumulator._compat import KerasSaveable, scatter_add_in_place
+from gradient_accumulator.distribute import all_reduce_in_replica
 
 _context = threading.local()
 
@@ -122,29 +107,27 @@ def takes_maximum(variable):
     return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
-def _has_loss_scale(optimizer):
-    """Whether a ``LossScaleOptimizer`` (it skips non-finite updates) is in the chain."""
-    return any(
-        isinstance(opt, keras.optimizers.LossScaleOptimizer) for opt in optimizer_chain(optimizer)
-    )
-
-
 class MicroStep:
-    """What is known of a micro-step before its forward pass.
+    """What is known of a micro-step before its forward pass: where it sits in its group.
 
     Attributes:
-        is_update_step: Boolean scalar, whether it ends its group (a Python
-            ``bool`` where known when traced).
+        is_update_step: Boolean scalar, whether it ends its group: a Python
+            ``bool`` where known when traced (a whole group's function),
+            else a tensor the accumulator's counters decide.
         is_first: Boolean scalar, whether it starts its group (the same).
         group_length: Float32 scalar ``K``, the micro-steps its group is
             planned to have (``accum_steps``, or fewer at the end of an
             epoch of known length).
+        measures: Whether the noise scale measures its group's update
+            (``noise_scale_every``): a Python boolean where known when
+            traced, ``None`` to read the accumulator's count at run time.
     """
 
-    def __init__(self, is_update_step, is_first, group_length):
+    def __init__(self, is_update_step, is_first, group_length, measures=None):
         self.is_update_step = is_update_step
         self.is_first = is_first
         self.group_length = group_length
+        self.measures = measures
 
 
 def replica_local(value, shape, dtype, name, aggregation):
@@ -201,102 +184,6 @@ class _ClassLayout:
         return [(i, c, acc) for i, entries in enumerate(self.slots) for c, acc in entries]
 
 
-def _mean(total, weight):
-    """``total / weight``, 0 where ``weight`` is 0.
-
-    A group whose normaliser is 0 (a masked loss with no valid token in any
-    of its micro-batches) has a zero sum: its gradient is 0, as Keras's loss
-    of such a batch is, not 0 / 0.
-    """
-    return tf.math.divide_no_nan(total, ops.cast(weight, total.dtype))
-
-
-def _group_means(plan, sums, weights, count):
-    """Per variable, ``sum_c G_c / W_c`` over its classes; ``None`` where no sum is present.
-
-    A variable that takes its group's maximum (:func:`takes_maximum`) gets
-    ``max_c G_c``: its sums hold maxima, which are not divided.
-
-    Where every divisor is exactly 1 (each micro-batch weighed by its share
-    of the group, and the group as planned: equal micro-batches counted by
-    samples, ``accum_steps`` of them), the sums already are the means, and
-    dividing them would give the same bits: the division is skipped (one
-    conditional per update), which saves a read and a write of every sum.
-
-    One variable after the other (each waits for the previous one's), so
-    that one mean's temporary is alive at a time beside the optimizer's.
-    Where the sums are this replica's accumulators themselves (one replica,
-    or sums reduced at every micro-step), each mean is written into its
-    variable's first sum, which takes the new buffer and frees its own, and
-    the optimizer reads it from there: the means then cost one variable's
-    buffer at a time, not the size of every gradient (the sums are emptied
-    after the update anyway). Elsewhere ``sums`` are the all-reduced tensors.
-
-    Args:
-        plan: The update's :class:`_UpdatePlan`.
-        sums: One tensor per entry of ``plan.slots`` (the reduced sums).
-        weights: Per class, the group's divisor.
-        count: The number of variables.
-    """
-    in_place = plan.case != REDUCED_ONCE_PER_UPDATE
-    terms = {}
-    for (i, c, acc), total in zip(plan.slots, sums):
-        terms.setdefault(i, []).append((acc, acc if in_place else total, c))
-    means = [None] * count
-    for i, entries in terms.items():
-        if plan.takes_maximum[i]:
-            means[i] = functools.reduce(ops.maximum, [total for _, total, _ in entries])
-    divided = {i: entries for i, entries in terms.items() if not plan.takes_maximum[i]}
-    if not divided:
-        return means
-
-    def unless_all_one(skip, divide):
-        if in_xla_compilation():
-            # XLA fuses the division into the optimizer's update, where it
-            # costs nothing, and the conditional would cost time (the
-            # benchmarks page has the figures).
-            return divide()
-        return tf.cond(ops.all(ops.equal(ops.stack(weights), 1.0)), skip, divide)
-
-    def combined(divisors):
-        # Per variable of `divided`: its mean, written into its first sum
-        # where in place (then None); the classes' sum where `divisors` is
-        # None (each divisor 1).
-        results = []
-        previous = []
-        for entries in divided.values():
-            if in_place and divisors is None and len(entries) == 1:
-                results.append(None)  # the sum is the mean
-                continue
-            with tf.control_dependencies(previous):
-                mean = None
-                for _, total, c in entries:
-                    term = total if divisors is None else _mean(total, divisors[c])
-                    mean = term if mean is None else mean + term
-                if in_place:
-                    mean = entries[0][0].assign(mean, read_value=False)
-            results.append(mean)
-            previous = [mean]
-        return results
-
-    if in_place:
-        # Writes only (the branches output a flag): the means are read from
-        # the first sums afterwards.
-        def written(divisors):
-            with tf.control_dependencies([w for w in combined(divisors) if w is not None]):
-                return tf.constant(True)
-
-        done = unless_all_one(lambda: written(None), lambda: written(weights))
-        with tf.control_dependencies([done]):
-            for i, entries in divided.items():
-                means[i] = entries[0][0].read_value()
-        return means
-    results = unless_all_one(lambda: combined(None), lambda: combined(weights))
-    for i, mean in zip(divided, results):
-        means[i] = mean
-    return means
-
-
 def _sum_aggregation(variable):
     """How a sum reads outside the replicas (saving): the total, or one replica's maximum.
 
@@ -315,110 +202,15 @@ def _sum_name(variable):
     return path.replace("/", "_").replace(":", "_") + "_accumulator"
 
 
-# The update's cases: how the group's sums reach the optimizer
-# (`_UpdatePlan.case`, decided when the update is traced). A loss scale (a
-# `LossScaleOptimizer`, which skips non-finite updates) adds to any of them:
-# the reset then overwrites non-finite sums (`GradientAccumulator.reset`).
-#: One replica: the sums are the group's; each mean is written into its sum
-#: in place, where the optimizer reads it.
-ONE_REPLICA = "one replica"
-#: Several replicas, sums of their own: the sums, divisors and statistics
-#: cross the replicas in one batched all-reduce; the means are the reduced
-#: tensors divided.
-REDUCED_ONCE_PER_UPDATE = "reduced once per update"
-#: Several replicas, ``reduce_every_micro_step=True``: the sums are global
-#: already; only the statistics cross at the update, the means are written in
-#: place as with one replica.
-REDUCED_EVERY_MICRO_STEP = "reduced every micro-step"
-
-
-class _UpdatePlan:
-    """What one update reads (trace time): the sums, the divisors, the statistics.
-
-    Attributes:
-        slots: The ``(variable index, class, sum variable)`` entries that
-            hold a gradient.
-        weight_sums: Per class, its divisor's variable.
-        statistics: The ``(value, apply_fn)`` pairs of :meth:`GradientAccumulator.apply_if`.
-        case: The update's case: :data:`ONE_REPLICA`,
-            :data:`REDUCED_ONCE_PER_UPDATE` or :data:`REDUCED_EVERY_MICRO_STEP`
-            (read in replica context).
-        takes_maximum: Per variable, whether its sums hold maxima
-            (:func:`takes_maximum`), which cross the replicas as a maximum.
-    """
-
-    def __init__(self, slots, weight_sums, statistics, reduced_every_micro_step, takes_maximum):
-        self.slots = slots
-        self.weight_sums = weight_sums
-        self.statistics = statistics
-        if reduced_every_micro_step:
-            self.case = REDUCED_EVERY_MICRO_STEP
-        elif tf.distribute.get_strategy().num_replicas_in_sync == 1:
-            self.case = ONE_REPLICA
-        else:
-            self.case = REDUCED_ONCE_PER_UPDATE
-        self.takes_maximum = takes_maximum
-
-    @property
-    def reduced_every_micro_step(self):
-        return self.case == REDUCED_EVERY_MICRO_STEP
-
-    def values_to_reduce(self):
-        """What crosses the replicas at the update, in one batch (call in replica context).
-
-        A sum of maxima enters as
-        :func:`~gradient_accumulator.distribute.by_replica` rows, so that the
-        one batched sum carries every replica's maximum.
-        """
-        statistics = [value for value, _ in self.statistics]
-        if self.reduced_every_micro_step:
-            return statistics
-        sums = [by_replica(acc) if self.takes_maximum[i] else acc for i, _, acc in self.slots]
-        return [*sums, *self.weight_sums, *statistics]
-
-    def split(self, reduced):
-        """``reduced`` (the sums of :meth:`values_to_reduce`) as (sums, weights, statistics)."""
-        if self.reduced_every_micro_step:
-            sums = [ops.convert_to_tensor(acc) for _, _, acc in self.slots]
-            weights = [ops.convert_to_tensor(w) for w in self.weight_sums]
-            return sums, weights, list(reduced)
-        count = len(self.slots) + len(self.weight_sums)
-        reduced = list(reduced)
-        sums = [
-            maximum_of_rows(total) if self.takes_maximum[i] else total
-            for (i, _, _), total in zip(self.slots, reduced[: len(self.slots)])
-        ]
-        return sums, reduced[len(self.slots) : count], reduced[count:]
-
-
 class GradientAccumulator(tf.Module):
     """Float32 gradient sums of one accumulation group and its update boundary.
 
-    With micro-batch gradients ``g_i`` of a loss that is a sum over its
-    micro-batch divided by a normaliser ``N_i`` (samples, valid tokens, the
-    sum of sample weights), and micro-batch weights ``w_i = N_i / (C_1 * K)``
-    (``C_1``: the capacity of the group's first micro-batch, e.g. its sample
-    or padded-token count; ``K``: the micro-steps the group is planned to
-    have), the gradient handed to the optimizer at the update step is::
-
-        g = sum_i(w_i * g_i) / sum_i(w_i)
-
-    which is the gradient of the loss of the concatenated group (its sum
-    divided by ``sum_i(N_i)``), whatever the micro-batches hold. The
-    reference ``C_1 * K`` cancels; it makes ``w_i`` the micro-batch's share
-    of the group (``1 / K`` for equal micro-batches), so that in the backward
-    pass of ``w_i * loss_i`` every per-sample quantity has the magnitude it has
-    in the big batch's (under a float16 loss scale, a micro-batch overflows
-    only where the big batch would). The caller provides ``w_i * g_i``
-    directly by differentiating ``w_i * loss_i`` (one scalar multiply in the
-    backward pass), so accumulating costs one in-place ``assign_add`` per
-    variable. A loss that is a plain sum (``reduction="sum"``) adds
-    ``w_i = 1`` every micro-step and ``1`` to the divisor once per group.
-
-    A variable marked ``overwrite_with_gradient`` (a float8 layer's scales
-    and amax histories; Keras's optimizers assign it its "gradient") receives
-    ``max_i(g_i)`` instead, elementwise, the maximum across replicas too: the
-    big batch's value (see :func:`takes_maximum`).
+    Each micro-step adds ``w_i * g_i`` (the gradient of its weighted loss)
+    and ``w_i`` (its share of the group, :meth:`share`) in place, one
+    ``assign_add`` per variable; a variable marked ``overwrite_with_gradient``
+    (float8 state, :func:`takes_maximum`) keeps ``max_i(g_i)``. The update
+    that divides them is :mod:`gradient_accumulator.update`, where the
+    formula is written.
 
     A group ends after ``accum_steps`` micro-steps, or earlier when
     ``steps_to_boundary`` (set by the caller, e.g. to the micro-steps left in
@@ -477,16 +269,16 @@ class GradientAccumulator(tf.Module):
         name="gradient_accumulator",
     ):
         super().__init__(name=name)
-        self._track_gradient_norm = track_gradient_norm
-        self._noise_scale_decay = noise_scale_decay
-        self._noise_scale_every = noise_scale_every
+        self.track_gradient_norm = track_gradient_norm
+        self.noise_scale_decay = noise_scale_decay
+        self.noise_scale_every = noise_scale_every
         self.accum_steps = accum_steps
-        self._gradient_transform = gradient_transform
-        self._reduce_every_micro_step = reduce_every_micro_step
+        self.gradient_transform = gradient_transform
+        self.reduce_every_micro_step = reduce_every_micro_step
         # Identities only: holding the variables would make tf.train.Checkpoint
         # save every model weight a second time under this object.
         self._variable_ids = tuple(id(v) for v in variables)
-        self._takes_maximum = tuple(takes_maximum(v) for v in variables)
+        self.takes_maximum = tuple(takes_maximum(v) for v in variables)
 
         first = tf.VariableAggregation.ONLY_FIRST_REPLICA
         local = replica_local
@@ -615,13 +407,13 @@ class GradientAccumulator(tf.Module):
         else:
             setattr(self, name, variables)
 
-    def _weight_sums(self):
+    def weight_sums(self):
         return [self.weight_sum, *self.class_weight_sums]
 
-    def _group_references(self):
+    def group_references(self):
         return [self.group_reference, *self.class_group_references]
 
-    def _all_sums(self):
+    def all_sums(self):
         return [*self.gradient_sums, *self.class_gradient_sums]
 
     def save_state(self, store):
@@ -684,11 +476,11 @@ class GradientAccumulator(tf.Module):
         What loading a weights file without accumulation state means: the
         file's weights with no group pending.
         """
-        for acc in self._all_sums():
+        for acc in self.all_sums():
             acc.assign(tf.zeros(acc.shape, acc.dtype))
-        for total in self._weight_sums():
+        for total in self.weight_sums():
             total.assign(0.0)
-        for reference in self._group_references():
+        for reference in self.group_references():
             reference.assign(1.0)
         self.micro_step.assign(0)
 
@@ -712,21 +504,20 @@ class GradientAccumulator(tf.Module):
         )
         return MicroStep(is_update_step, is_first, ops.cast(planned, "float32"))
 
-    def micro_step_at(self, index, length, ends_group=None):
+    def micro_step_at(self, index, length, ends_group=None, measures=None):
         """The :class:`MicroStep` of micro-step ``index`` of a group of ``length``.
 
         For a function that runs a whole group: whether the micro-step ends
         its group is known when it is traced, so ``is_update_step`` is a
-        Python boolean and nothing is decided at run time (see
-        :func:`sum_across_replicas_if`). ``index`` and ``length`` may be
-        integer tensors (one trace for every place in every group) when
-        ``ends_group`` says whether it is the last; with Python integers it
-        may be left ``None``. The group must start empty.
+        Python boolean and nothing is decided at run time. ``index`` and
+        ``length`` may be integer tensors (one trace for every place in
+        every group) when ``ends_group`` says whether it is the last; with
+        Python integers it may be left ``None``. The group must start empty.
         """
         if ends_group is None:
             ends_group = index == length - 1
         is_first = index == 0 if isinstance(index, int) else ops.equal(index, 0)
-        return MicroStep(ends_group, is_first, ops.cast(length, "float32"))
+        return MicroStep(ends_group, is_first, ops.cast(length, "float32"), measures)
 
     def planned_micro_step(self):
         """The :class:`MicroStep` the next micro-step will be, without starting it.
@@ -763,7 +554,7 @@ class GradientAccumulator(tf.Module):
                 :meth:`configure_classes`) whose reference ``C_1 * K`` to use.
         """
         capacity = ops.cast(capacity, "float32")
-        stored = self._group_references()[normaliser_class]
+        stored = self.group_references()[normaliser_class]
         reference = ops.where(micro.is_first, capacity * micro.group_length, stored)
         stored.assign(reference)
         return tf.stop_gradient(ops.cast(normaliser, "float32") / reference)
@@ -774,61 +565,6 @@ class GradientAccumulator(tf.Module):
             steps = ops.cast(self.accum_steps(self.update_count), "int64")
             return ops.maximum(steps, 1)
         return self.accum_steps
-
-    def step(
-        self,
-        grads,
-        loss_weight,
-        is_update_step,
-        optimizer,
-        variables,
-        statistics=(),
-        divisor=None,
-    ):
-        """Adds ``grads`` to the sums, then updates through ``optimizer`` if due.
-
-        Must be called in replica context (inside ``strategy.run`` or with no
-        strategy). ``grads`` are the gradients of ``loss_weight * loss`` (times
-        the loss scale under mixed precision) in the order of ``variables``;
-        ``None`` entries stay ``None`` for the optimizer, so variables without
-        a gradient are left alone as in plain Keras. ``divisor`` is what this
-        micro-step adds to the group's divisor (``loss_weight`` if ``None``).
-        """
-        divisor = loss_weight if divisor is None else divisor
-        # The one-class case of `step_classes` (with several classes, the
-        # missing classes' gradients fail loudly there).
-        self.step_classes([grads], [divisor], is_update_step, optimizer, variables, statistics)
-
-    def step_classes(
-        self,
-        class_grads,
-        divisors,
-        is_update_step,
-        optimizer,
-        variables,
-        statistics=(),
-    ):
-        """:meth:`step` with one gradient list and divisor per normaliser class.
-
-        Args:
-            class_grads: Per class, the gradients (order of ``variables``) of
-                that class's weighted objective; ``None`` where it does not
-                reach (a variable outside the class's routing is ignored).
-            divisors: Per class, what this micro-step adds to its divisor.
-        """
-        present = self.add_classes(class_grads, divisors)
-        self.apply_if(is_update_step, optimizer, variables, statistics, present)
-
-    def add_classes(self, class_grads, divisors):
-        """Adds one micro-step's gradients and divisors to the sums, without updating.
-
-        For a caller that runs the update itself once the group's last
-        micro-step has added (:meth:`apply_if` with ``True``). Arguments as in
-        :meth:`step_classes`; returns the indices of the sums that received a
-        gradient (see :meth:`_accumulate`).
-        """
-        grads = [class_grads[c][i] for i, c, _ in self._slots()]
-        return self._accumulate(grads, divisors)
 
     def add_group_gradients(self, grads, variables):
         """Adds gradients that belong to the group as a whole to the sums (replica context).
@@ -846,9 +582,9 @@ class GradientAccumulator(tf.Module):
             The indices of the sums that received a gradient (for
             :meth:`apply_if`'s ``present``).
         """
-        slot_grads = [grads[i] for i, _, _ in self._slots()]
-        for (i, _, _), grad in zip(self._slots(), slot_grads):
-            if grad is not None and self._takes_maximum[i]:
+        slot_grads = [grads[i] for i, _, _ in self.slots()]
+        for (i, _, _), grad in zip(self.slots(), slot_grads):
+            if grad is not None and self.takes_maximum[i]:
                 raise ValueError(
                     f"Variable '{variables[i].path}' holds float8 state (a scale or an "
                     "amax history, whose update is its group's maximum), and the loss reads "
@@ -856,52 +592,44 @@ class GradientAccumulator(tf.Module):
                     "be summed, not kept. Call the float8 layers in `call`. Received: the "
                     "loss's gradient of that variable"
                 )
-        if self._reduce_every_micro_step:
+        if self.reduce_every_micro_step:
             slot_grads, _ = all_reduce_in_replica(slot_grads, [], [False] * len(slot_grads))
-        for (_, _, acc), grad in zip(self._slots(), slot_grads):
+        for (_, _, acc), grad in zip(self.slots(), slot_grads):
             if grad is not None:
                 _add_in_place(acc, grad)
         return [k for k, grad in enumerate(slot_grads) if grad is not None]
 
-    def apply_pending(self, optimizer, variables, statistics=()):
-        """Updates with a non-empty, unfinished group (replica context).
-
-        For a group cut short by the end of the data when the number of
-        micro-steps was not known in advance. ``statistics`` as in
-        :meth:`apply_if`.
-        """
-        self.apply_if(ops.greater(self.micro_step, 0), optimizer, variables, statistics)
-
-    # The paths of a micro-step, in order: `_accumulate` (every micro-step),
-    # then `apply_if`, which hands `_update` to `sum_across_replicas_if`: the
-    # sums cross the replicas in one batch and `_update` runs only at an
-    # update step, in replica context, whichever of its two paths (conditional
-    # in the replica, or in cross-replica context) the strategy needs.
-
-    def _slots(self):
+    def slots(self):
         """Every gradient sum, as ``(variable index, class, sum variable)``."""
         return self._classes.flat()
 
-    def _accumulate(self, slot_grads, divisors):
-        """Adds one micro-step: the gradients into their sums, the divisors into theirs.
+    def add(self, class_grads, divisors):
+        """Adds one micro-step: its gradients into their sums, its divisors into theirs.
+
+        The update is another step (:func:`gradient_accumulator.update.apply_if`),
+        once the group's last micro-step has added. Call in replica context.
 
         Args:
-            slot_grads: One gradient (or ``None``) per entry of :meth:`_slots`.
+            class_grads: Per normaliser class, the gradients (order of the
+                variables) of that class's weighted objective; ``None`` where
+                it does not reach (a variable outside the class's routing is
+                ignored).
             divisors: Per class, what this micro-step adds to its divisor.
 
         Returns:
-            The indices of the slots that received a gradient: trace-time
+            The indices of the sums that received a gradient: trace-time
             structure, the same at every micro-step of a traced function. Also
-            kept as ``traced_slots`` for :meth:`apply_pending`, which traces an
-            update without gradients to look at.
+            kept as ``traced_slots`` for a group cut short, whose update is
+            traced without gradients to look at.
         """
+        slots = self.slots()
+        slot_grads = [class_grads[c][i] for i, c, _ in slots]
         # Each replica adds its share of the weight, so that the all-reduced
         # sum is the group's total weight whatever the number of replicas.
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         weights = [ops.cast(d, "float32") / replicas for d in divisors]
-        slots = self._slots()
-        maximum = [self._takes_maximum[i] for i, _, _ in slots]
-        if self._reduce_every_micro_step:
+        maximum = [self.takes_maximum[i] for i, _, _ in slots]
+        if self.reduce_every_micro_step:
             slot_grads, weights = all_reduce_in_replica(slot_grads, weights, maximum)
         # Read only where a sum keeps a maximum (float8 state).
         is_first = ops.equal(self.micro_step, 0) if any(maximum) else None
@@ -910,99 +638,14 @@ class GradientAccumulator(tf.Module):
             for (_, _, acc), grad, takes in zip(slots, slot_grads, maximum)
             if grad is not None
         ]
-        adds += [total.assign_add(weight) for total, weight in zip(self._weight_sums(), weights)]
+        adds += [total.assign_add(weight) for total, weight in zip(self.weight_sums(), weights)]
         # The count moves once every add is done: a read of it marks the
-        # micro-step's end (the model's group function starts the next
-        # micro-step after it).
+        # micro-step's end (the group's function starts the next micro-step
+        # after it).
         with tf.control_dependencies(adds):
             self.micro_step.assign_add(1)
         self.traced_slots = [k for k, grad in enumerate(slot_grads) if grad is not None]
         return self.traced_slots
-
-    def apply_if(
-        self, is_update_step, optimizer, variables, statistics=(), present=None, noise_measured=None
-    ):
-        """Hands the group's mean gradient to ``optimizer`` if ``is_update_step``.
-
-        Called in replica context; resets the group after updating. The
-        group's gradient sums, its weight sums and each entry of
-        ``statistics`` cross the replicas in one batched reduction (the sums
-        only if they were not reduced at every micro-step).
-
-        Args:
-            statistics: Sequence of ``(value, apply_fn)``: a float32 tensor of
-                this replica's to sum over the replicas with the gradients,
-                and a callable that receives the sum in the update, in
-                replica context (``AccumBatchNormalization`` merges its
-                replicas' pending statistics so).
-            present: Indices into :meth:`_slots` of the sums that hold a
-                gradient; the last traced micro-step's (``traced_slots``) if
-                ``None``, all of them before any.
-            noise_measured: Whether the noise scale measures this update
-                (``noise_scale_every``): a Python boolean where the caller
-                knows, ``None`` to read it from ``update_count`` at run time.
-        """
-        slots = self._slots()
-        if present is None:
-            present = getattr(self, "traced_slots", range(len(slots)))
-        if self._noise_scale_decay is not None:
-            # The group's summaries cross the replicas with the gradients;
-            # `_update` reads their sum (`_noise_sums_reduced`).
-            statistics = [*statistics, (self.noise_sums.read_value(), self._keep_noise_sums)]
-        plan = _UpdatePlan(
-            [slots[k] for k in present],
-            self._weight_sums(),
-            list(statistics),
-            reduced_every_micro_step=self._reduce_every_micro_step,
-            takes_maximum=self._takes_maximum,
-        )
-        with gradients_already_reduced(optimizer):
-            sum_across_replicas_if(
-                is_update_step,
-                plan.values_to_reduce(),
-                lambda *reduced: self._update(plan, reduced, optimizer, variables, noise_measured),
-            )
-
-    def _update(self, plan, reduced, optimizer, variables, noise_measured=None):
-        """The update (replica context): ``sum_c G_c / W_c`` to ``optimizer``, then a reset."""
-        sums, weights, statistic_sums = plan.split(reduced)
-        for (_, apply_statistics), total in zip(plan.statistics, statistic_sums):
-            apply_statistics(total)
-        means = _group_means(plan, sums, weights, len(variables))
-        mean_grads = [
-            None if m is None else ops.cast(m, var.dtype) for var, m in zip(variables, means)
-        ]
-        noise = self._noise_scale_decay is not None and noise_measured is not False
-        decide_at_run_time = noise_measured is None and self._noise_scale_every > 1
-        if noise and decide_at_run_time and not self._track_gradient_norm:
-            # Decided at run time (`noise_scale_every`): the group's norm
-            # only in the updates that measure.
-            def measure():
-                norm = self._mean_gradient_norm(mean_grads, optimizer)
-                self._update_noise_scale(ops.square(norm))
-                return ops.zeros((), "float32")
-
-            tf.cond(self.noise_update_measured(), measure, lambda: ops.zeros((), "float32"))
-        elif self._track_gradient_norm or noise:
-            norm = self._mean_gradient_norm(mean_grads, optimizer)
-            if self._track_gradient_norm:
-                self.gradient_norm.assign(norm)
-            if noise:
-                self._update_noise_scale(ops.square(norm))
-        if self._gradient_transform is not None:
-            # Not applied to maxima, which are values to assign, not gradients.
-            maxima = self._takes_maximum
-            means_only = [None if m else g for g, m in zip(mean_grads, maxima)]
-            transformed = self._gradient_transform(means_only, variables)
-            mean_grads = [g if m else t for g, t, m in zip(mean_grads, transformed, maxima)]
-        optimizer.apply(mean_grads, variables)
-        self.update_count.assign_add(1)
-        # The sums are emptied once the optimizer has written the variables
-        # (after their reads, which wait for those writes), not beside it: the
-        # reset's temporaries then do not add to the optimizer's (the
-        # benchmarks page has the figures).
-        with tf.control_dependencies([tf.convert_to_tensor(v) for v in variables]):
-            self.reset(_has_loss_scale(optimizer))
 
     def noise_update_measured(self):
         """Whether the noise scale measures the coming update: every ``noise_scale_every``-th.
@@ -1010,34 +653,13 @@ class GradientAccumulator(tf.Module):
         A boolean tensor (replica context, before the update's count moves):
         updates ``0, m, 2m, ...`` of ``update_count``.
         """
-        if self._noise_scale_every == 1:
+        if self.noise_scale_every == 1:
             return tf.constant(True)
-        return ops.equal(self.update_count.read_value() % self._noise_scale_every, 0)
+        return ops.equal(self.update_count.read_value() % self.noise_scale_every, 0)
 
     def add_noise_summary(self, summary):
         """Adds one micro-batch's summary (:func:`noise_scale.micro_batch_summary`)."""
         return self.noise_sums.assign_add(summary, read_value=False)
-
-    def _keep_noise_sums(self, total):
-        self._noise_sums_reduced = total
-
-    def _update_noise_scale(self, big_squared_norm):
-        trace, signal, valid = noise_scale.estimates(self._noise_sums_reduced, big_squared_norm)
-        averages, ratio = noise_scale.smoothed(
-            self.noise_averages.read_value(), trace, signal, valid, self._noise_scale_decay
-        )
-        previous = self.noise_logs.read_value()
-        self.noise_averages.assign(averages)
-        self.noise_logs.assign(ops.where(valid, ops.stack([ratio, trace, signal]), previous))
-
-    def _mean_gradient_norm(self, mean_grads, optimizer):
-        """The global L2 norm of the mean gradient, divided by the loss scale if any.
-
-        Float8 scales and amax histories (maxima, not gradients) are left out.
-        """
-        squared = noise_scale.squared_norm(mean_grads, self._takes_maximum)
-        scale = ops.cast(optimizer.scale_loss(tf.constant(1.0)), "float32")
-        return ops.sqrt(squared) / scale
 
     def reset(self, check_finite=False):
         """Empties the group (call in replica context).
@@ -1056,12 +678,12 @@ class GradientAccumulator(tf.Module):
                 Elsewhere a non-finite gradient has already made the weights
                 non-finite, and the check would only cost time and memory.
         """
-        for total in self._weight_sums():
+        for total in self.weight_sums():
             total.assign(0.0)
-        if self._noise_scale_decay is not None:
+        if self.noise_scale_decay is not None:
             self.noise_sums.assign(ops.zeros_like(self.noise_sums))
         self.micro_step.assign(0)
-        sums = self._all_sums()
+        sums = self.all_sums()
 
         def zero_in_place():
             for acc in sums:

@@ -16,7 +16,7 @@ share of the divisor: the function whose gradient the update applies (an
 output's loss likewise, of its one term: ``sum_i(r_i * N_i) / sum_i(N_i)``,
 or ``sum_i(r_i)`` for a sum). So every micro-step still adds its own loss to
 the trackers (what a log in the middle of a group shows), and the group's
-last micro-step corrects what the group added to each tracker, ``T`` over a
+end corrects what the group added to each tracker, ``T`` over a
 count ``C``, to ``L * n`` over ``n``, the group's samples (Keras counts an
 output's batch as one sample where the batch's size is unknown when traced;
 the group counts its samples, as the loss's tracker does). The trackers' state at the
@@ -65,8 +65,8 @@ class GroupLoss:
             shape = (2 * (1 + num_outputs),)
             self.base = replica_local(0, shape, "float32", "group_loss_base", summed)
 
-    def add(self, tracker, weighted, logged_loss, batch_size, outputs, ends_group):
-        """Adds one micro-step's loss to ``tracker``, and at the group's end corrects every tracker.
+    def add(self, tracker, weighted, logged_loss, batch_size, outputs):
+        """Adds one micro-step's loss to ``tracker`` and to the group's sums.
 
         Call in replica context, in place of the tracker's ``update_state``,
         after the forward pass (which updates the outputs' trackers).
@@ -83,8 +83,6 @@ class GroupLoss:
             outputs: ``None`` (the outputs' trackers left as Keras updated
                 them), or per output ``(tracker, r_i, N_i)``: its loss and
                 its normaliser (``None`` for a sum).
-            ends_group: Boolean (tensor or Python), whether this micro-step
-                is its group's last.
         """
         size = ops.cast(batch_size, "float32")
         tracker.update_state(ops.cast(logged_loss, "float32"), sample_weight=size)
@@ -93,6 +91,9 @@ class GroupLoss:
         outputs = outputs or []
         if len(outputs) != self.num_outputs:
             outputs = []
+        # What the group's end reads of the outputs (trace-time structure):
+        # their trackers, and which are sums.
+        self._outputs = [(each, None if n is None else 1.0) for each, _, n in outputs]
         zero = ops.zeros((), "float32")
         parts = [zero if a is None else ops.cast(a, "float32") * s for a, _, s in weighted]
         shares = [ops.cast(w, "float32") for _, w, _ in weighted]
@@ -108,12 +109,19 @@ class GroupLoss:
         missing = self.num_outputs - len(outputs)
         parts += [zero] * missing
         shares += [zero] * missing
-        sums = self.sums.assign_add(ops.stack(parts + shares))
-        self._end_if(tracker, outputs, sums, ends_group)
+        self.sums.assign_add(ops.stack(parts + shares))
 
     def end(self, tracker, ends_group):
-        """At a group cut short: the correction of the loss's tracker, the sums emptied."""
-        self._end_if(tracker, [], self.sums.read_value(), ends_group)
+        """The group's end, if ``ends_group``: every tracker corrected, the sums emptied.
+
+        Args:
+            tracker: Keras's loss tracker.
+            ends_group: Boolean (tensor or Python).
+        """
+        if ends_group is False:
+            return
+        outputs = getattr(self, "_outputs", [])
+        self._end_if(tracker, outputs, self.sums.read_value(), ends_group)
 
     def forget_base(self):
         """The trackers were reset: they hold nothing of the group."""
@@ -125,7 +133,7 @@ class GroupLoss:
         parts, shares = sums[:quantities], sums[quantities:]
         losses = [ops.sum(tf.math.divide_no_nan(parts[:classes], shares[:classes])) * replicas]
         trackers = [tracker]
-        for k, (output_tracker, _, normaliser) in enumerate(outputs):
+        for k, (output_tracker, normaliser) in enumerate(outputs):
             part, share = parts[classes + k], shares[classes + k]
             losses.append(part if normaliser is None else tf.math.divide_no_nan(part, share))
             trackers.append(output_tracker)

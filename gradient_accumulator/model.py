@@ -5,23 +5,17 @@ import inspect
 
 import keras
 import tensorflow as tf
-from keras import ops
 
-from gradient_accumulator import noise_scale as noise_scale_module
 from gradient_accumulator._compat import (
     Functional,
-    build_compiled_metrics_outside_trace,
     builds_before_first_trace,
-    compute_training_loss,
     creation_strategy,
     first_batch,
     functional_form,
     functional_from_config,
     functional_from_config_keeps_arguments,
     functional_init_arguments,
-    loss_tracker,
     output_loss_trackers,
-    recorded_loss_reductions,
     sublayers,
 )
 from gradient_accumulator._v05 import REMOVED_MODEL_ARGUMENTS
@@ -32,12 +26,12 @@ from gradient_accumulator.coupled import (
     check_coupled_loss,
     warn_if_loss_couples_samples,
 )
-from gradient_accumulator.distribute import logs_for_keras
 from gradient_accumulator.engine import GradientAccumulator, StateEntry, update_step_scope
-from gradient_accumulator.group_loss import GroupLoss, tracker_state
+from gradient_accumulator.group_loss import GroupLoss
 from gradient_accumulator.optimizer import check_optimizer_does_not_accumulate
 from gradient_accumulator.runner import GroupRunner
 from gradient_accumulator.state_writes import StateWrites
+from gradient_accumulator.steps import ModelSteps
 from gradient_accumulator.validation import (
     check_accum_steps,
     check_agc_arguments,
@@ -47,13 +41,8 @@ from gradient_accumulator.validation import (
     check_unit_interval,
 )
 from gradient_accumulator.weighting import (
-    SUM,
     ClassPlan,
-    MicroBatchLoss,
-    class_gradients,
     discover_classes,
-    weigh_classes,
-    weight_only_loss_count,
 )
 
 # The wrapper's own constructor arguments, in signature order: the one list
@@ -121,21 +110,6 @@ def _fit_batch_spec(arguments):
     if arguments.get("sample_weight") is not None or arguments.get("class_weight") is not None:
         specs.append(tf.TensorSpec((None,), tf.float32))
     return tuple(specs)
-
-
-def _batch_size(x, y):
-    """The batch's rows: the leading dimension of its first tensor, ``x``'s before ``y``'s.
-
-    Call after the forward pass, which refuses a ``None`` for a required input
-    with Keras's own error.
-    """
-    for t in (*keras.tree.flatten(x), *keras.tree.flatten(y)):
-        if t is not None:
-            return ops.shape(t)[0]
-    raise ValueError(
-        "A train step received a batch without any tensor: `x` and `y` are both "
-        f"None or empty. Pass the data to `fit`. Received: x={x!r}, y={y!r}"
-    )
 
 
 def _first_replica(strategy, value):
@@ -322,8 +296,9 @@ class GradientAccumulateModel(keras.Model):
         super().__init__(*args, **kwargs)
         self._accumulator = None
         self._group_loss = None
-        self._runner = GroupRunner(self)
-        self._coupled_group = CoupledGroup(self)
+        self._steps = ModelSteps(self)
+        self._coupled_group = CoupledGroup(self, self._steps)
+        self._runner = GroupRunner(self, self._steps, self._coupled_group)
         # The accumulation state's entry in weights files, apart from the
         # model's own variables, so that the plain model of the same graph
         # loads the file (and a file without it loads here).
@@ -382,8 +357,9 @@ class GradientAccumulateModel(keras.Model):
             self.optimizer.build(self.trainable_variables)
 
     def train_step(self, data):
-        """One micro-step; the group's update if its counters say it ends the group."""
-        return self._micro_step(data)
+        """One micro-step; the group's end if its counters say it ends the group."""
+        _, logs = self._steps.micro_step(data)
+        return logs
 
     def group_step(self, batches):
         """A whole accumulation group: one micro-step per batch, then the update.
@@ -414,249 +390,6 @@ class GradientAccumulateModel(keras.Model):
                 f"coupled_loss={self.coupled_loss!r}"
             )
         return self._runner.group_of_batches(batches)
-
-    def _micro_step(self, data, place=None):
-        """One micro-step (replica context): the gradients of ``data`` added to the sums.
-
-        ``place``: the micro-step's :class:`~gradient_accumulator.runner.Place`
-        in its group, where the runner knows it when tracing; the micro-step
-        then only adds, and the runner calls :meth:`_update` after the group's
-        last. With ``None`` (``train_step``), the accumulator's counters
-        decide at run time whether it ends its group, and it then also
-        updates.
-        """
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        self._check_trainable_variables_unchanged()
-        variables = self.trainable_variables
-        accumulator = self._accumulator
-        # Keras < 3.7 ends an epoch whose steps are not a multiple of
-        # `steps_per_execution` with a step that has no batch: it fails at
-        # fetching one, after running the ops that do not need it. So the
-        # accumulator's state changes wait for the batch.
-        inputs = [t for t in tf.nest.flatten(x, expand_composites=True) if t is not None]
-        with tf.control_dependencies(inputs):
-            if place is None:
-                micro = accumulator.start_micro_step()
-            else:
-                micro = accumulator.micro_step_at(place.index, place.length, place.ends_group)
-        is_update_step = micro.is_update_step
-        # The loss's normaliser classes (found by `_discover_normaliser_classes`
-        # before the first trace; one unless the loss mixes normalisers):
-        # each class's share of the loss is weighted on its own and has its
-        # own gradient, so a persistent tape where there are several.
-        plan = self._class_plan()
-        # The outputs' loss trackers, and their state before the forward pass
-        # updates them (read only where the group's loss is logged).
-        trackers = output_loss_trackers(self) if self._group_loss is not None else []
-        before = [tracker_state(t) for t in trackers]
-        with (
-            update_step_scope(is_update_step),
-            tf.GradientTape(persistent=accumulator.num_classes > 1) as tape,
-        ):
-            y_pred, micro_loss = self._forward(x, y, sample_weight, micro.is_first)
-            weighted = weigh_classes(micro_loss, plan, accumulator, micro, tape, self.name)
-            objectives = [
-                None if objective is None else self.optimizer.scale_loss(objective)
-                for objective, _, _ in weighted
-            ]
-        divisors = [divisor for _, divisor, _ in weighted]
-        class_grads = class_gradients(tape, objectives, accumulator.routing, variables)
-        del tape
-        if self.noise_scale:
-            self._add_noise_summary(micro_loss, class_grads, divisors, place, is_update_step)
-        loss = micro_loss.loss
-        # `loss` is scaled by 1/replicas for the cross-replica sum; undo that.
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        if self._group_loss is None:
-            loss_tracker(self).update_state(loss * replicas, sample_weight=micro_loss.batch_size)
-        else:
-            # The group's last micro-step logs the group's loss (group_loss.py).
-            # Under XLA one program runs every micro-step of a group (the
-            # update is another): where it ends is read at run time.
-            ends_group = is_update_step
-            if place is not None:
-                ends_group = ops.equal(place.index, place.length - 1)
-            self._group_loss.add(
-                loss_tracker(self),
-                weighted,
-                loss * replicas,
-                micro_loss.batch_size,
-                self._output_losses(micro_loss, trackers, before),
-                ends_group,
-            )
-        # Every state change waits for the batch (see above): the counters'
-        # increments depend on nothing else, and TensorFlow may run them in a
-        # step whose batch never arrives.
-        with tf.control_dependencies(inputs):
-            self._apply_statistics(is_update_step)
-            if place is None:
-                accumulator.step_classes(
-                    class_grads,
-                    divisors,
-                    is_update_step,
-                    self.optimizer,
-                    variables,
-                    self._replica_statistics(),
-                )
-            else:
-                # The update is the runner's (`_update`), which merges the
-                # replicas' statistics itself.
-                accumulator.add_classes(class_grads, divisors)
-        build_compiled_metrics_outside_trace(self, y, y_pred)
-        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        if place is None:
-            # The update, if any, ran above: its figures.
-            logs = self._with_update_logs(logs)
-        return logs_for_keras(logs, self.distribute_strategy)
-
-    def _with_update_logs(self, logs):
-        """``logs`` with the last update's ``gradient_norm`` and noise scale, where tracked."""
-        accumulator = self._accumulator
-        logs = dict(logs)
-        if self.gradient_norm:
-            logs["gradient_norm"] = accumulator.gradient_norm.read_value()
-        if self.noise_scale:
-            figures = accumulator.noise_logs.read_value()
-            logs["noise_scale"] = figures[0]
-            logs["noise_scale_trace"] = figures[1]
-            logs["noise_scale_signal"] = figures[2]
-        return logs
-
-    def _add_noise_summary(self, micro_loss, class_grads, divisors, place, is_update_step):
-        """Adds this micro-batch's gradient summary for the noise scale (``noise_scale=True``).
-
-        With ``noise_scale_micro_batches="last"``, the group's last
-        micro-step only measures its gradient: ``place.ends_group`` (a
-        Python boolean) says which it is in a group's function,
-        ``is_update_step`` (a tensor) in Keras's train step. With
-        ``noise_scale_every > 1``, only the updates that
-        :meth:`GradientAccumulator.noise_update_measured` names:
-        ``place.measures`` (a Python boolean) in a group's function, the
-        accumulator's count at run time otherwise.
-        """
-        accumulator = self._accumulator
-        _, found = micro_loss.partition()
-        kinds = [kind for _, kind in (found.partition or [])] if found is not None else []
-        if accumulator.num_classes > 1 or SUM in kinds or micro_loss.additional_losses:
-            raise ValueError(
-                f"Model '{self.name}' has `noise_scale=True`, which needs each micro-batch's "
-                "gradient as a mean over its samples (or tokens): a loss of one normaliser, "
-                "not a sum (`reduction='sum'`), and no regularizer or `add_loss` term "
-                "(counted once per update, they are no micro-batch's). Received: "
-                f"{accumulator.num_classes} normaliser class(es), reductions {kinds}, "
-                f"{len(micro_loss.additional_losses)} additional loss term(s)"
-            )
-        if place is not None and place.measures is False:
-            # An update the noise scale skips (`noise_scale_every`): nothing to add.
-            return
-        weight = ops.cast(divisors[0], "float32")
-        scale = ops.cast(self.optimizer.scale_loss(tf.constant(1.0)), "float32")
-        # The training loss is the replica's share (divided by the replicas).
-        factor = weight * scale / tf.distribute.get_strategy().num_replicas_in_sync
-        size = weight * accumulator._group_references()[0].read_value()
-
-        def squared_norm():
-            return noise_scale_module.squared_norm(class_grads[0], accumulator._takes_maximum)
-
-        # Whether this micro-batch is measured: Python booleans where known
-        # when traced (a group's own steps: `place`), tensors otherwise.
-        static, at_run_time = True, []
-        if self.noise_scale_every > 1 and (place is None or place.measures is None):
-            at_run_time.append(accumulator.noise_update_measured())
-        if self._noise_measures_last():
-            ends = is_update_step if place is None else place.ends_group
-            if isinstance(ends, bool):
-                static = ends
-            else:
-                at_run_time.append(ends)
-        measured = None
-        if not static:
-            squared, measured = ops.zeros((), "float32"), tf.constant(False)
-        elif not at_run_time:
-            squared = squared_norm()
-        else:
-            measured = at_run_time[0]
-            for condition in at_run_time[1:]:
-                measured = ops.logical_and(measured, condition)
-            squared = tf.cond(measured, squared_norm, lambda: ops.zeros((), "float32"))
-        summary = noise_scale_module.micro_batch_summary(squared, factor, size, measured)
-        accumulator.add_noise_summary(summary)
-
-    def _noise_measures_last(self):
-        return self.noise_scale and self.noise_scale_micro_batches == "last"
-
-    def _output_losses(self, micro_loss, trackers, before):
-        """Per output whose loss Keras logs apart, ``(tracker, loss, normaliser)``.
-
-        The loss is what Keras's forward pass added to the output's tracker
-        (``trackers``, and ``before``: their ``[total, count]`` before it), in the
-        tracker's units; the normaliser is its recorded reduction's, one
-        per output where the loss is Keras's own (``compute_loss`` not
-        overridden, one Keras loss per output). ``None`` otherwise (those
-        logs stay the micro-batches').
-        """
-        if not trackers or len(trackers) != len(micro_loss.records):
-            return None
-        if type(self).compute_loss is not keras.Model.compute_loss:
-            return None
-        terms, _ = micro_loss.partition()
-        if None in terms:
-            return None
-        outputs = []
-        for tracker, (total, count), term in zip(trackers, before, terms):
-            now_total, now_count = tracker_state(tracker)
-            loss = tf.math.divide_no_nan(now_total - total, now_count - count)
-            outputs.append((tracker, loss, term.normaliser))
-        return outputs
-
-    def _end_cut_group(self, condition):
-        """A group cut short (replica context): its loss logged and its update, if ``condition``."""
-        if self._group_loss is not None:
-            self._group_loss.end(loss_tracker(self), condition)
-        self._update(condition)
-
-    def _update(self, condition, noise_measured=None, present=None):
-        """The group's update, if ``condition`` (replica context).
-
-        ``noise_measured``: whether the noise scale measures this update
-        (a Python boolean where the runner knows; ``None``: at run time).
-        ``present``: the sums that hold a gradient, where the caller knows
-        (:meth:`GradientAccumulator.apply_if`).
-
-        The group's mean gradient to the optimizer, then the sums emptied
-        (:meth:`GradientAccumulator.apply_if`); layers whose statistics
-        follow the update boundary and hold their replica's own move them
-        with it (their pending statistics cross the replicas in the update's
-        one reduction), the others have moved them in the group's last
-        micro-step.
-        """
-        self._accumulator.apply_if(
-            condition,
-            self.optimizer,
-            self.trainable_variables,
-            self._replica_statistics(),
-            present=present,
-            noise_measured=noise_measured,
-        )
-
-    def _forward(self, x, y, sample_weight, is_first):
-        """The forward pass and the loss: ``(y_pred, MicroBatchLoss)`` (call on a tape).
-
-        Its writes of layer state happen as the big batch's one call makes
-        them (:meth:`~gradient_accumulator.state_writes.StateWrites.once_per_update`);
-        ``is_first``: whether the micro-step starts its group.
-        """
-        with self._state_writes.once_per_update(x, is_first):
-            y_pred = self(x, training=True)
-        batch_size = _batch_size(x, y)
-        with recorded_loss_reductions() as reductions:
-            loss = compute_training_loss(self, x, y, y_pred, sample_weight)
-        weight_only = weight_only_loss_count(self)
-        return y_pred, MicroBatchLoss(loss, reductions, batch_size, self.losses, weight_only)
-
-    def _class_plan(self):
-        plan = getattr(self, "_normaliser_classes", None)
-        return ClassPlan.one_class() if plan is None else plan
 
     def fit(self, *args, **kwargs):
         bound = inspect.signature(super().fit).bind(*args, **kwargs)
@@ -753,7 +486,7 @@ class GradientAccumulateModel(keras.Model):
 
         def forward(x, y, sample_weight):
             with update_step_scope(tf.constant(False)):
-                return self._forward(x, y, sample_weight, False)
+                return self._steps.forward(x, y, sample_weight, False)
 
         plan = discover_classes(
             forward,
@@ -794,7 +527,7 @@ class GradientAccumulateModel(keras.Model):
         self._check_jit_compile()
         self._check_statistics_layers()
         if not force and self.train_function is not None:
-            self._check_trainable_variables_unchanged()
+            self._steps.check_variables()
         self._ensure_accumulator()
         self._size_group_loss()
         if self.optimizer is not None and not self.optimizer.built:
@@ -871,16 +604,6 @@ class GradientAccumulateModel(keras.Model):
             )
         self._runner.forget_update_count()
 
-    def _clip_adaptively(self, grads, variables):
-        return adaptive_clip_gradients(grads, variables, self.clip_factor, self.eps)
-
-    def _statistics_layers(self):
-        """Layers whose statistics follow the update boundary (AccumBatchNormalization).
-
-        At any depth, nested models included.
-        """
-        return [layer for layer in sublayers(self) if hasattr(layer, "apply_pending_statistics")]
-
     def _check_strategy(self):
         """Refuses a model created outside the strategy scope it is used in.
 
@@ -942,34 +665,9 @@ class GradientAccumulateModel(keras.Model):
             "resolves to False under tf.distribute."
         )
 
-    def _apply_statistics(self, is_update_step):
-        """Moves the pending statistics of layers that follow the update boundary (replica context).
-
-        Where ``is_update_step``, for the layers whose pending statistics are
-        the same in every replica (one replica, or ``synchronized=True``);
-        the others move theirs in the update (:meth:`_replica_statistics`).
-        """
-        for layer in self._statistics_layers():
-            if not layer.merges_replicas_at_update():
-                layer.apply_pending_statistics(is_update_step)
-
-    def _replica_statistics(self):
-        """The statistics that cross the replicas in the update's one reduction (replica context).
-
-        ``(value, apply_fn)`` pairs of the layers that hold their own shard's
-        pending statistics (several replicas, ``synchronized=False``): the
-        engine sums the values over the replicas and hands every replica the
-        merged statistics.
-        """
-        return [
-            (layer.pending_replica_summary(), layer.apply_replica_summaries)
-            for layer in self._statistics_layers()
-            if layer.merges_replicas_at_update()
-        ]
-
     def _check_statistics_layers(self):
         """Refuses AccumBatchNormalization layers whose accum_steps differ."""
-        for layer in self._statistics_layers():
+        for layer in self._steps.statistics_layers():
             if layer.accum_steps != self.accum_steps:
                 raise ValueError(
                     f"Layer '{layer.name}' has `accum_steps={layer.accum_steps}` and "
@@ -981,23 +679,6 @@ class GradientAccumulateModel(keras.Model):
                     f"accum_steps={self.accum_steps} (model)"
                 )
 
-    def _check_trainable_variables_unchanged(self):
-        """Refuses to train with a train function traced for other trainable variables.
-
-        Keras keeps the train function it traced until ``compile()``; after a
-        ``trainable`` flag changes, it would go on training (and accumulating
-        for) the variables of the trace without a word.
-        """
-        variables = self.trainable_variables
-        if self._accumulator is not None and not self._accumulator.matches(variables):
-            raise RuntimeError(
-                f"The trainable variables of model '{self.name}' changed after its "
-                "train function was built (a `trainable` flag was set): call "
-                "`compile()` again before training, as Keras requires. Received: "
-                f"{len(variables)} trainable variables, the train function was built "
-                f"for {len(self._accumulator.gradient_sums)}"
-            )
-
     def _ensure_accumulator(self):
         variables = self.trainable_variables
         if self._accumulator is not None and self._accumulator.matches(variables):
@@ -1006,7 +687,13 @@ class GradientAccumulateModel(keras.Model):
             accumulator = GradientAccumulator(
                 self.accum_steps,
                 variables,
-                gradient_transform=self._clip_adaptively if self.use_agc else None,
+                gradient_transform=(
+                    functools.partial(
+                        adaptive_clip_gradients, clip_factor=self.clip_factor, eps=self.eps
+                    )
+                    if self.use_agc
+                    else None
+                ),
                 reduce_every_micro_step=self.reduce_every_micro_step,
                 track_gradient_norm=self.gradient_norm,
                 noise_scale_decay=self.noise_scale_smoothing if self.noise_scale else None,

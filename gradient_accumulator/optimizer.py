@@ -1,6 +1,7 @@
 """The optimizer wrapper: accumulates gradients for any Keras optimizer, in any training loop."""
 
 import contextlib
+import functools
 import inspect
 import warnings
 from collections.abc import Callable
@@ -9,6 +10,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from gradient_accumulator import update
 from gradient_accumulator._compat import (
     check_optimizer_knows,
     loss_scale_optimizer_applying,
@@ -330,7 +332,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         outer = self._outer_loss_scale()
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
-        transform = self._clip_adaptively if self.use_agc else None
+        transform = None
+        if self.use_agc:
+            transform = functools.partial(
+                adaptive_clip_gradients, clip_factor=self.clip_factor, eps=self.eps
+            )
         # Created here, eagerly, never inside a traced step.
         with keras.name_scope(self.name, caller=self):
             self._accumulator = GradientAccumulator(
@@ -431,12 +437,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             ordered[optimizer_variable_index(self, variable)] = grad
         accumulator = self._accumulator
         micro = accumulator.start_micro_step()
-        accumulator.step(
-            ordered,
-            accumulator.take_pending_weight(),
-            micro.is_update_step,
-            self._apply_inner,
-            built_with,
+        weight = accumulator.take_pending_weight()
+        update.step(
+            accumulator, [ordered], [weight], micro.is_update_step, self._apply_inner, built_with
         )
 
     def apply_accumulated_gradients(self):
@@ -450,7 +453,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """
         if self._accumulator is None:
             return
-        self._accumulator.apply_pending(self._apply_inner, optimizer_variables_in_build_order(self))
+        variables = optimizer_variables_in_build_order(self)
+        update.apply_pending(self._accumulator, self._apply_inner, variables)
 
     def apply_gradients(self, grads_and_vars):
         """Accumulates one micro-step's gradients; on an update step, applies the group's mean.
@@ -780,9 +784,6 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if callable(steps):
             steps = max(int(steps(tf.constant(0, "int64"))), 1)
         return 1.0 / steps
-
-    def _clip_adaptively(self, grads, variables):
-        return adaptive_clip_gradients(grads, variables, self.clip_factor, self.eps)
 
 
 for _name in _FORWARDED_ATTRIBUTES:

@@ -584,7 +584,7 @@ def conditional_branch(graph, cond, name, tensors=()):
 def _is_division(graph, cond, accumulator):
     if cond.type not in ("If", "StatelessIf"):
         return False
-    handles = {id(acc.handle) for acc in accumulator._all_sums()}
+    handles = {id(acc.handle) for acc in accumulator.all_sums()}
     internal = [inside for outside, inside in graph.captures if id(outside) in handles]
     for name in ("then_branch", "else_branch"):
         branch, sums = conditional_branch(graph, cond, name, internal)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOptimizer
+from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOptimizer, update
 from gradient_accumulator.engine import GradientAccumulator
 from tests.helpers import (
     FLOAT8_KERNEL_RTOL,
@@ -18,6 +18,11 @@ from tests.helpers import (
     float8_differences,
     make_float8_data,
 )
+
+
+def _step(accumulator, grads, weight, is_update_step, optimizer, variables):
+    """One micro-step of one normaliser class: the add, then the update if due."""
+    update.step(accumulator, [grads], [weight], is_update_step, optimizer, variables)
 
 
 def _captured(graph, variable):
@@ -46,7 +51,7 @@ def test_a_micro_step_is_one_in_place_add_per_variable():
 
     @tf.function
     def micro_step(grads, is_update_step):
-        accumulator.step(grads, 1.0, is_update_step, optimizer, model.trainable_variables)
+        _step(accumulator, grads, 1.0, is_update_step, optimizer, model.trainable_variables)
 
     graph = micro_step.get_concrete_function(grads, tf.constant(False)).graph
     for acc in accumulator.gradient_sums:
@@ -142,7 +147,7 @@ def test_the_sums_are_emptied_after_the_optimizer_writes_the_variables():
 
     @tf.function
     def micro_step(grads, is_update_step):
-        accumulator.step(grads, 1.0, is_update_step, optimizer, variables)
+        _step(accumulator, grads, 1.0, is_update_step, optimizer, variables)
 
     graph = micro_step.get_concrete_function(grads, tf.constant(True)).graph
     model_reads = set()
@@ -195,7 +200,7 @@ def test_each_mean_is_written_into_its_sum_one_variable_after_the_other():
 
     @tf.function
     def update(grads):
-        accumulator.step(grads, 2.0, True, optimizer, variables)
+        _step(accumulator, grads, 2.0, True, optimizer, variables)
 
     update(grads)
     # The group's weight is 2.0: each mean is 3.0 / 2.0.
@@ -254,7 +259,7 @@ def test_a_decision_known_when_traced_puts_no_conditional_around_the_update():
     def group(grads):
         for index in range(2):
             micro = accumulator.micro_step_at(index, 2)
-            accumulator.step(grads, 0.5, micro.is_update_step, optimizer, variables)
+            _step(accumulator, grads, 0.5, micro.is_update_step, optimizer, variables)
 
     graph = group.get_concrete_function(grads).graph
     # The update is not conditional: the optimizer's count moves in the
@@ -264,7 +269,7 @@ def test_a_decision_known_when_traced_puts_no_conditional_around_the_update():
     assert len(control_flow(graph)) == 1
     assert control_flow(graph, accumulator) == []
     accumulating = (
-        tf.function(lambda grads: accumulator.step(grads, 0.5, False, optimizer, variables))
+        tf.function(lambda grads: _step(accumulator, grads, 0.5, False, optimizer, variables))
         .get_concrete_function(grads)
         .graph
     )
@@ -353,7 +358,7 @@ def test_overwrite_with_gradient_variables_take_the_group_maximum():
     for index, (mark, grad) in enumerate(steps):
         ends = index == len(steps) - 1
         class_grads = [[np.float32(mark), np.float32(grad)], [second_class, None]]
-        accumulator.step_classes(class_grads, [1.0, 1.0], ends, optimizer, variables)
+        update.step(accumulator, class_grads, [1.0, 1.0], ends, optimizer, variables)
         if not ends:
             np.testing.assert_array_equal(marked.numpy(), np.zeros(3))
     maximum = np.max([*(np.float32(mark) for mark, _ in steps), second_class], axis=0)
@@ -363,7 +368,7 @@ def test_overwrite_with_gradient_variables_take_the_group_maximum():
     # The next group starts its maximum anew, not from the last one's.
     for index, mark in enumerate(([-9.0, -9.0, -9.0], [-8.0, -9.5, -7.0], [-9.0, -9.0, -9.0])):
         class_grads = [[np.float32(mark), np.zeros(3, "float32")], [np.float32(mark), None]]
-        accumulator.step_classes(class_grads, [1.0, 1.0], index == 2, optimizer, variables)
+        update.step(accumulator, class_grads, [1.0, 1.0], index == 2, optimizer, variables)
     np.testing.assert_array_equal(marked.numpy(), [-8.0, -9.0, -7.0])
 
 
@@ -383,7 +388,7 @@ def test_the_maximum_matches_keras_gradient_accumulation():
     optimizer.build(variables)
     accumulator = GradientAccumulator(3, variables)
     for index, grad in enumerate(grads):
-        accumulator.step([grad, grad], 1.0, index == 2, optimizer, variables)
+        _step(accumulator, [grad, grad], 1.0, index == 2, optimizer, variables)
     np.testing.assert_array_equal(variables[0].numpy(), keras_variables[0].numpy())
     np.testing.assert_array_equal(variables[0].numpy(), [2.0, 4.0])
     np.testing.assert_allclose(variables[1].numpy(), keras_variables[1].numpy(), rtol=1e-6)
@@ -448,7 +453,7 @@ def test_accumulate_adds_weighted_dense_and_sparse_gradients_and_their_divisors(
     bias = rng.normal(size=(2,)).astype("float32")
 
     step = tf.function(
-        lambda grads, divisor: accumulator.step(grads, divisor, False, optimizer, variables)
+        lambda grads, divisor: _step(accumulator, grads, divisor, False, optimizer, variables)
     )
     step([dense[0], bias], 4.0)
     step([dense[1], None], 2.0)
@@ -476,7 +481,7 @@ def test_the_update_hands_each_class_s_sum_over_its_divisor_then_empties_the_gro
 
     @tf.function
     def micro_step(class_grads, divisors, is_update_step):
-        accumulator.step_classes(class_grads, divisors, is_update_step, optimizer, variables)
+        update.step(accumulator, class_grads, divisors, is_update_step, optimizer, variables)
 
     micro_step([[g[0, 0], None], [g[1, 0], g[1, 1]]], [2.0, 0.0], tf.constant(False))
     micro_step([[g[0, 0], None], [g[1, 0], g[1, 1]]], [2.0, 0.0], tf.constant(True))
@@ -511,7 +516,7 @@ def test_the_division_is_skipped_only_where_every_divisor_is_exactly_1(classes, 
 
     @tf.function
     def micro_step(class_grads, divisors, is_update_step):
-        accumulator.step_classes(class_grads, divisors, is_update_step, optimizer, variables)
+        update.step(accumulator, class_grads, divisors, is_update_step, optimizer, variables)
 
     micro_step([[g] for g in grads[0]], [0.5] * classes, tf.constant(False))
     micro_step([[g] for g in grads[1]], [second_divisor] * classes, tf.constant(True))
@@ -536,7 +541,7 @@ def test_equal_micro_batches_divisor_is_exactly_1_for_the_documented_accum_steps
     def micro_step(index):
         micro = accumulator.micro_step_at(index, accum_steps, ends_group=False)
         share = accumulator.share(16.0, 16.0, micro)
-        accumulator.step(grads, share, False, optimizer, variables)
+        _step(accumulator, grads, share, False, optimizer, variables)
 
     for index in range(accum_steps):
         micro_step(tf.constant(index))
@@ -547,7 +552,7 @@ def test_equal_micro_batches_divisor_is_exactly_1_for_the_documented_accum_steps
 def _step_function(accumulator, variables, optimizer):
     @tf.function
     def step(grads, is_update_step):
-        accumulator.step(grads, 1.0, is_update_step, optimizer, variables)
+        _step(accumulator, grads, 1.0, is_update_step, optimizer, variables)
 
     return step
 

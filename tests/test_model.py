@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 from gradient_accumulator import GradientAccumulateModel
+from gradient_accumulator.runner import WHOLE_GROUPS
 from tests.helpers import (
     FLOAT16_ATOL,
     FLOAT32_ATOL,
@@ -516,7 +517,7 @@ def test_a_group_runs_its_micro_steps_one_after_the_other():
     model.fit(x, y, batch_size=MICRO_BATCH, epochs=1, shuffle=False, verbose=0)
     variables = len(model._accumulator.gradient_sums)
 
-    (group,) = model._runner._functions["group", True]._list_all_concrete_functions()
+    (group,) = model._runner.compiled(WHOLE_GROUPS)._list_all_concrete_functions()
     (loop,) = [op for op in group.graph.get_operations() if op.type in ("While", "StatelessWhile")]
     body = group.graph._functions[loop.get_attr("body").name].graph
     (fetch,) = [op for op in body.get_operations() if op.type == "IteratorGetNext"]
@@ -562,7 +563,7 @@ def test_fit_under_xla_compiles_the_update_apart_from_the_micro_steps():
             for concrete in function._list_all_concrete_functions()
         ]
 
-    adding, last, update = model._runner._functions["xla", True]
+    adding, last, update = model._runner.compiled("xla")
     assert last is adding  # one program for every place in every group
     assert optimizer_captures(adding) == [0]
     (update_captures,) = optimizer_captures(update)

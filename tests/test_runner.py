@@ -180,7 +180,7 @@ def test_a_group_is_one_program_whatever_its_length():
         model = build_dense(GradientAccumulateModel, accum_steps=accum_steps)
         model.compile(OPTIMIZERS["adam"](), "mse")
         model.fit(x, y, batch_size=MICRO, epochs=1, shuffle=False, verbose=0)
-        (group,) = model._runner._functions["group", True]._list_all_concrete_functions()
+        (group,) = model._runner.compiled(WHOLE_GROUPS)._list_all_concrete_functions()
         graph = group.graph
         operations = list(graph.get_operations())
         for function in graph._functions.values():

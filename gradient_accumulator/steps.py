@@ -1,0 +1,345 @@
+"""A model's micro-step and its group's end: what the runner calls, in replica context.
+
+:class:`ModelSteps` is the interface between the group runner
+(:mod:`gradient_accumulator.runner`, which decides where and in which
+compiled function each runs) and a ``GradientAccumulateModel``:
+
+- :meth:`ModelSteps.micro_step`: one micro-batch's forward pass, its
+  weighted loss and gradients added to the sums;
+- :meth:`ModelSteps.end_group`: the group's end, written once for every way
+  a group runs: the statistics of layers that follow the update boundary
+  moved, the group's logged loss ended, and the update
+  (:func:`gradient_accumulator.update.apply_if`);
+- :meth:`ModelSteps.with_update_logs`: the last update's figures in the logs.
+
+A micro-step's way to the optimizer: the forward pass and the loss
+(:meth:`ModelSteps.forward`), the classes' gradients
+(:func:`~gradient_accumulator.weighting.class_gradients`), the add
+(:meth:`~gradient_accumulator.engine.GradientAccumulator.add`); then, at
+the group's end, the update.
+"""
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from gradient_accumulator import noise_scale, update
+from gradient_accumulator._compat import (
+    build_compiled_metrics_outside_trace,
+    compute_training_loss,
+    loss_tracker,
+    output_loss_trackers,
+    recorded_loss_reductions,
+    sublayers,
+)
+from gradient_accumulator.distribute import logs_for_keras
+from gradient_accumulator.engine import update_step_scope
+from gradient_accumulator.group_loss import tracker_state
+from gradient_accumulator.weighting import (
+    SUM,
+    ClassPlan,
+    MicroBatchLoss,
+    class_gradients,
+    weigh_classes,
+    weight_only_loss_count,
+)
+
+
+def _batch_size(x, y):
+    """The batch's rows: the leading dimension of its first tensor, ``x``'s before ``y``'s.
+
+    Call after the forward pass, which refuses a ``None`` for a required input
+    with Keras's own error.
+    """
+    for t in (*keras.tree.flatten(x), *keras.tree.flatten(y)):
+        if t is not None:
+            return ops.shape(t)[0]
+    raise ValueError(
+        "A train step received a batch without any tensor: `x` and `y` are both "
+        f"None or empty. Pass the data to `fit`. Received: x={x!r}, y={y!r}"
+    )
+
+
+class ModelSteps:
+    """The replica-context steps of one ``GradientAccumulateModel``'s groups.
+
+    Args:
+        model: The ``GradientAccumulateModel``; its accumulator, group loss,
+            state writes and normaliser classes are read when a step is
+            traced (the model makes them before each train function).
+    """
+
+    def __init__(self, model):
+        self._model = model
+
+    @property
+    def accumulator(self):
+        """The model's :class:`~gradient_accumulator.engine.GradientAccumulator`."""
+        return self._model._accumulator
+
+    def micro_step(self, data, micro=None):
+        """One micro-step: the gradients of ``data`` added to the sums. Returns ``(marker, logs)``.
+
+        Args:
+            data: The batch ``(x, y, sample_weight)``, as ``train_step`` takes it.
+            micro: The micro-step's :class:`~gradient_accumulator.engine.MicroStep`,
+                where the runner knows its place when tracing: the micro-step
+                then only adds, and the runner ends the group after its last.
+                ``None`` (Keras's ``train_step``): the accumulator's counters
+                decide at run time whether it ends its group, and it then
+                also ends it (:meth:`end_group`).
+
+        Returns:
+            The marker, the accumulator's count read once the adds are done
+            (a batch fetched under a control dependency on it waits for this
+            micro-step), and the logs.
+        """
+        model = self._model
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        self.check_variables()
+        variables = model.trainable_variables
+        accumulator = self.accumulator
+        # Keras < 3.7 ends an epoch whose steps are not a multiple of
+        # `steps_per_execution` with a step that has no batch: it fails at
+        # fetching one, after running the ops that do not need it. So the
+        # accumulator's state changes wait for the batch.
+        inputs = [t for t in tf.nest.flatten(x, expand_composites=True) if t is not None]
+        on_its_own = micro is None
+        if on_its_own:
+            with tf.control_dependencies(inputs):
+                micro = accumulator.start_micro_step()
+        # The loss's normaliser classes (found before the first trace; one
+        # unless the loss mixes normalisers): each class's share of the loss
+        # is weighted on its own and has its own gradient, so a persistent
+        # tape where there are several.
+        plan = getattr(model, "_normaliser_classes", None) or ClassPlan.one_class()
+        group_loss = model._group_loss
+        # The outputs' loss trackers, and their state before the forward pass
+        # updates them (read only where the group's loss is logged).
+        trackers = output_loss_trackers(model) if group_loss is not None else []
+        before = [tracker_state(t) for t in trackers]
+        with (
+            update_step_scope(micro.is_update_step),
+            tf.GradientTape(persistent=accumulator.num_classes > 1) as tape,
+        ):
+            y_pred, micro_loss = self.forward(x, y, sample_weight, micro.is_first)
+            weighted = weigh_classes(micro_loss, plan, accumulator, micro, tape, model.name)
+            objectives = [
+                None if objective is None else model.optimizer.scale_loss(objective)
+                for objective, _, _ in weighted
+            ]
+        divisors = [divisor for _, divisor, _ in weighted]
+        class_grads = class_gradients(tape, objectives, accumulator.routing, variables)
+        del tape
+        if model.noise_scale:
+            self._add_noise_summary(micro_loss, class_grads, divisors, micro)
+        # `loss` is scaled by 1/replicas for the cross-replica sum; undo that.
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        loss = micro_loss.loss * replicas
+        if group_loss is None:
+            loss_tracker(model).update_state(loss, sample_weight=micro_loss.batch_size)
+        else:
+            # The group's end logs the group's loss (group_loss.py).
+            outputs = self._output_losses(micro_loss, trackers, before)
+            group_loss.add(loss_tracker(model), weighted, loss, micro_loss.batch_size, outputs)
+        # Every state change waits for the batch (see above): the counters'
+        # increments depend on nothing else, and TensorFlow may run them in a
+        # step whose batch never arrives.
+        with tf.control_dependencies(inputs):
+            accumulator.add(class_grads, divisors)
+            marker = accumulator.micro_step.read_value()
+            if on_its_own:
+                self.end_group(micro.is_update_step)
+        build_compiled_metrics_outside_trace(model, y, y_pred)
+        logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        if on_its_own:
+            # The update, if any, ran above: its figures.
+            logs = self.with_update_logs(logs)
+        return marker, logs_for_keras(logs, model.distribute_strategy)
+
+    def end_group(self, condition, measures=None, present=None):
+        """The group's end, if ``condition``: statistics moved, group loss ended, update.
+
+        The one end of every way a group runs. Layers whose statistics follow
+        the update boundary move them (those that hold their replica's own
+        move them in the update, their pending statistics crossing the
+        replicas in the update's one reduction); the group's logged loss is
+        ended (:class:`~gradient_accumulator.group_loss.GroupLoss`); the
+        group's mean gradient goes to the optimizer and the sums are emptied
+        (:func:`gradient_accumulator.update.apply_if`).
+
+        Args:
+            condition: Python boolean (known when traced) or boolean tensor.
+            measures: Whether the noise scale measures this update (a Python
+                boolean where the runner knows; ``None``: at run time).
+            present: The sums that hold a gradient, where the caller knows
+                (a coupled loss's group).
+        """
+        model = self._model
+        statistics = []
+        for layer in self.statistics_layers():
+            if layer.merges_replicas_at_update():
+                statistics.append((layer.pending_replica_summary(), layer.apply_replica_summaries))
+            else:
+                layer.apply_pending_statistics(condition)
+        if model._group_loss is not None:
+            model._group_loss.end(loss_tracker(model), condition)
+        update.apply_if(
+            self.accumulator,
+            condition,
+            model.optimizer,
+            model.trainable_variables,
+            statistics,
+            present=present,
+            noise_measured=measures,
+        )
+
+    def with_update_logs(self, logs):
+        """``logs`` with the last update's ``gradient_norm`` and noise scale, where tracked."""
+        model = self._model
+        logs = dict(logs)
+        if model.gradient_norm:
+            logs["gradient_norm"] = self.accumulator.gradient_norm.read_value()
+        if model.noise_scale:
+            figures = self.accumulator.noise_logs.read_value()
+            logs["noise_scale"] = figures[0]
+            logs["noise_scale_trace"] = figures[1]
+            logs["noise_scale_signal"] = figures[2]
+        return logs
+
+    def last_micro_step_differs(self, measures):
+        """Whether a group's last micro-step computes what the others do not (XLA: its own program).
+
+        Where the noise scale measures the last micro-batch only, in the
+        updates it measures.
+        """
+        model = self._model
+        return bool(measures and model.noise_scale and model.noise_scale_micro_batches == "last")
+
+    def forward(self, x, y, sample_weight, is_first):
+        """The forward pass and the loss: ``(y_pred, MicroBatchLoss)`` (call on a tape).
+
+        Its writes of layer state happen as the big batch's one call makes
+        them (:meth:`~gradient_accumulator.state_writes.StateWrites.once_per_update`);
+        ``is_first``: whether the micro-step starts its group.
+        """
+        model = self._model
+        with model._state_writes.once_per_update(x, is_first):
+            y_pred = model(x, training=True)
+        batch_size = _batch_size(x, y)
+        with recorded_loss_reductions() as reductions:
+            loss = compute_training_loss(model, x, y, y_pred, sample_weight)
+        weight_only = weight_only_loss_count(model)
+        return y_pred, MicroBatchLoss(loss, reductions, batch_size, model.losses, weight_only)
+
+    def statistics_layers(self):
+        """Layers whose statistics follow the update boundary (AccumBatchNormalization).
+
+        At any depth, nested models included.
+        """
+        return [
+            layer for layer in sublayers(self._model) if hasattr(layer, "apply_pending_statistics")
+        ]
+
+    def check_variables(self):
+        """Refuses to train with a train function traced for other trainable variables.
+
+        Keras keeps the train function it traced until ``compile()``; after a
+        ``trainable`` flag changes, it would go on training (and accumulating
+        for) the variables of the trace without a word.
+        """
+        model = self._model
+        variables = model.trainable_variables
+        accumulator = self.accumulator
+        if accumulator is not None and not accumulator.matches(variables):
+            raise RuntimeError(
+                f"The trainable variables of model '{model.name}' changed after its "
+                "train function was built (a `trainable` flag was set): call "
+                "`compile()` again before training, as Keras requires. Received: "
+                f"{len(variables)} trainable variables, the train function was built "
+                f"for {len(accumulator.gradient_sums)}"
+            )
+
+    def _add_noise_summary(self, micro_loss, class_grads, divisors, micro):
+        """Adds this micro-batch's gradient summary for the noise scale (``noise_scale=True``).
+
+        With ``noise_scale_micro_batches="last"``, the group's last
+        micro-step only measures its gradient (``micro.is_update_step``: a
+        Python boolean in a group's function, a tensor in Keras's train
+        step). With ``noise_scale_every > 1``, only the updates that
+        :meth:`GradientAccumulator.noise_update_measured` names:
+        ``micro.measures`` where known when traced, the accumulator's count
+        at run time otherwise.
+        """
+        model = self._model
+        accumulator = self.accumulator
+        _, found = micro_loss.partition()
+        kinds = [kind for _, kind in (found.partition or [])] if found is not None else []
+        if accumulator.num_classes > 1 or SUM in kinds or micro_loss.additional_losses:
+            raise ValueError(
+                f"Model '{model.name}' has `noise_scale=True`, which needs each micro-batch's "
+                "gradient as a mean over its samples (or tokens): a loss of one normaliser, "
+                "not a sum (`reduction='sum'`), and no regularizer or `add_loss` term "
+                "(counted once per update, they are no micro-batch's). Received: "
+                f"{accumulator.num_classes} normaliser class(es), reductions {kinds}, "
+                f"{len(micro_loss.additional_losses)} additional loss term(s)"
+            )
+        if micro.measures is False:
+            # An update the noise scale skips (`noise_scale_every`): nothing to add.
+            return
+        weight = ops.cast(divisors[0], "float32")
+        scale = ops.cast(model.optimizer.scale_loss(tf.constant(1.0)), "float32")
+        # The training loss is the replica's share (divided by the replicas).
+        factor = weight * scale / tf.distribute.get_strategy().num_replicas_in_sync
+        size = weight * accumulator.group_references()[0].read_value()
+
+        def squared_norm():
+            return noise_scale.squared_norm(class_grads[0], accumulator.takes_maximum)
+
+        # Whether this micro-batch is measured: Python booleans where known
+        # when traced (a group's own steps), tensors otherwise.
+        static, at_run_time = True, []
+        if model.noise_scale_every > 1 and micro.measures is None:
+            at_run_time.append(accumulator.noise_update_measured())
+        if model.noise_scale_micro_batches == "last":
+            ends = micro.is_update_step
+            if isinstance(ends, bool):
+                static = ends
+            else:
+                at_run_time.append(ends)
+        measured = None
+        if not static:
+            squared, measured = ops.zeros((), "float32"), tf.constant(False)
+        elif not at_run_time:
+            squared = squared_norm()
+        else:
+            measured = at_run_time[0]
+            for condition in at_run_time[1:]:
+                measured = ops.logical_and(measured, condition)
+            squared = tf.cond(measured, squared_norm, lambda: ops.zeros((), "float32"))
+        summary = noise_scale.micro_batch_summary(squared, factor, size, measured)
+        accumulator.add_noise_summary(summary)
+
+    def _output_losses(self, micro_loss, trackers, before):
+        """Per output whose loss Keras logs apart, ``(tracker, loss, normaliser)``.
+
+        The loss is what Keras's forward pass added to the output's tracker
+        (``trackers``, and ``before``: their ``[total, count]`` before it), in the
+        tracker's units; the normaliser is its recorded reduction's, one
+        per output where the loss is Keras's own (``compute_loss`` not
+        overridden, one Keras loss per output). ``None`` otherwise (those
+        logs stay the micro-batches').
+        """
+        if not trackers or len(trackers) != len(micro_loss.records):
+            return None
+        if type(self._model).compute_loss is not keras.Model.compute_loss:
+            return None
+        terms, _ = micro_loss.partition()
+        if None in terms:
+            return None
+        outputs = []
+        for tracker, (total, count), term in zip(trackers, before, terms):
+            now_total, now_count = tracker_state(tracker)
+            loss = tf.math.divide_no_nan(now_total - total, now_count - count)
+            outputs.append((tracker, loss, term.normaliser))
+        return outputs
