@@ -308,12 +308,12 @@ class GroupRunner:
                     data = next(iterator)
                 if xla is not None:
                     _, logs = xla[1](data, length - 1, length)
-                    xla[2]()
+                    logs = xla[2](logs)
                 else:
                     micro = accumulator.micro_step_at(length - 1, length, True, measures)
                     _, logs = strategy.run(steps.micro_step, args=(data, micro))
-                    strategy.run(steps.end_group, args=(True, measures))
-                return steps.with_update_logs(reduce_replica_logs(logs, strategy))
+                    logs = strategy.run(steps.end_group, args=(True, measures, None, logs))
+                return reduce_replica_logs(logs, strategy)
 
             return group
 
@@ -345,7 +345,9 @@ class GroupRunner:
 
             adding = step(False)
             last = step(True) if steps.last_micro_step_differs(measures) else adding
-            end = compiled(lambda: strategy.run(steps.end_group, args=(True, measures)))
+            end = compiled(
+                lambda logs: strategy.run(steps.end_group, args=(True, measures, None, logs))
+            )
             self._functions[key] = (adding, last, end)
         return self._functions[key]
 
@@ -383,8 +385,7 @@ class GroupRunner:
         for index, data in enumerate(batches):
             micro = accumulator.micro_step_at(index, length)
             done, logs = steps.micro_step(after(done, data), micro)
-        steps.end_group(True)
-        return steps.with_update_logs(logs)
+        return steps.end_group(True, logs=logs)
 
     # ------------------------------------------------------------------
     # Micro-steps, and a group cut short

@@ -157,7 +157,7 @@ class ModelSteps:
             logs = self.with_update_logs(logs)
         return marker, logs_for_keras(logs, model.distribute_strategy)
 
-    def end_group(self, condition, measures=None, present=None):
+    def end_group(self, condition, measures=None, present=None, logs=None):
         """The group's end, if ``condition``: statistics moved, group loss ended, update.
 
         The one end of every way a group runs. Layers whose statistics follow
@@ -174,6 +174,12 @@ class ModelSteps:
                 boolean where the runner knows; ``None``: at run time).
             present: The sums that hold a gradient, where the caller knows
                 (a coupled loss's group).
+            logs: The logs of the group's last micro-step, or ``None``.
+
+        Returns:
+            ``logs`` as they read after the end (``None`` without): the
+            metrics' results read again (the group's end corrects the loss
+            trackers), the update's figures added.
         """
         model = self._model
         statistics = []
@@ -193,6 +199,11 @@ class ModelSteps:
             present=present,
             noise_measured=measures,
         )
+        if logs is None:
+            return None
+        after = model.get_metrics_result()
+        logs = {key: after.get(key, value) for key, value in logs.items()}
+        return logs_for_keras(self.with_update_logs(logs), model.distribute_strategy)
 
     def with_update_logs(self, logs):
         """``logs`` with the last update's ``gradient_norm`` and noise scale, where tracked."""
