@@ -1,5 +1,7 @@
 """Adaptive gradient clipping (AGC), unit-wise, as in NFNets (Brock et al., 2021)."""
 
+import functools
+
 import keras
 import tensorflow as tf
 from keras import ops
@@ -134,3 +136,10 @@ def _check_not_swapped(grads):
             "gradient_accumulator 0.5's `adaptive_clip_grad(parameters, gradients)`. "
             f"Received: grads=[{swapped[0].name!r}, ...] ({len(swapped)} variables)"
         )
+
+
+def agc_transform(use_agc, clip_factor, eps):
+    """The update's gradient transform of a wrapper's AGC arguments: AGC, or ``None``."""
+    if not use_agc:
+        return None
+    return functools.partial(adaptive_clip_gradients, clip_factor=clip_factor, eps=eps)

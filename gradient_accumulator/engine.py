@@ -253,7 +253,10 @@ class GradientAccumulator(tf.Module):
         noise_scale_decay: ``None``, or the noise scale's moving averages'
             decay (:mod:`gradient_accumulator.noise_scale`).
         noise_scale_every: Integer >= 1: the noise scale measures one update
-            in that many (:meth:`noise_update_measured`).
+            in that many (``noise_schedule``, a
+            :class:`~gradient_accumulator.noise_scale.Schedule`).
+        noise_scale_last_only: Boolean, the noise scale measures each
+            measured group's last micro-batch only.
         name: String, the name scope of the state.
     """
 
@@ -266,12 +269,16 @@ class GradientAccumulator(tf.Module):
         track_gradient_norm=False,
         noise_scale_decay=None,
         noise_scale_every=1,
+        noise_scale_last_only=False,
         name="gradient_accumulator",
     ):
         super().__init__(name=name)
         self.track_gradient_norm = track_gradient_norm
         self.noise_scale_decay = noise_scale_decay
-        self.noise_scale_every = noise_scale_every
+        measured = noise_scale_decay is not None
+        self.noise_schedule = noise_scale.Schedule(
+            noise_scale_every if measured else 1, noise_scale_last_only and measured
+        )
         self.accum_steps = accum_steps
         self.gradient_transform = gradient_transform
         self.reduce_every_micro_step = reduce_every_micro_step
@@ -646,20 +653,6 @@ class GradientAccumulator(tf.Module):
             self.micro_step.assign_add(1)
         self.traced_slots = [k for k, grad in enumerate(slot_grads) if grad is not None]
         return self.traced_slots
-
-    def noise_update_measured(self):
-        """Whether the noise scale measures the coming update: every ``noise_scale_every``-th.
-
-        A boolean tensor (replica context, before the update's count moves):
-        updates ``0, m, 2m, ...`` of ``update_count``.
-        """
-        if self.noise_scale_every == 1:
-            return tf.constant(True)
-        return ops.equal(self.update_count.read_value() % self.noise_scale_every, 0)
-
-    def add_noise_summary(self, summary):
-        """Adds one micro-batch's summary (:func:`noise_scale.micro_batch_summary`)."""
-        return self.noise_sums.assign_add(summary, read_value=False)
 
     def reset(self, check_finite=False):
         """Empties the group (call in replica context).

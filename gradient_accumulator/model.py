@@ -16,10 +16,9 @@ from gradient_accumulator._compat import (
     functional_from_config_keeps_arguments,
     functional_init_arguments,
     output_loss_trackers,
-    sublayers,
 )
 from gradient_accumulator._v05 import REMOVED_MODEL_ARGUMENTS
-from gradient_accumulator.agc import adaptive_clip_gradients
+from gradient_accumulator.agc import agc_transform
 from gradient_accumulator.batchnorm_averaging import AverageBatchNormStatistics
 from gradient_accumulator.coupled import (
     CoupledGroup,
@@ -28,7 +27,6 @@ from gradient_accumulator.coupled import (
 )
 from gradient_accumulator.engine import GradientAccumulator, StateEntry, update_step_scope
 from gradient_accumulator.group_loss import GroupLoss
-from gradient_accumulator.optimizer import check_optimizer_does_not_accumulate
 from gradient_accumulator.runner import GroupRunner
 from gradient_accumulator.state_writes import StateWrites
 from gradient_accumulator.steps import ModelSteps
@@ -36,13 +34,18 @@ from gradient_accumulator.validation import (
     check_accum_steps,
     check_agc_arguments,
     check_bool,
+    check_jit_compile,
     check_keyword_arguments,
-    check_positive_integer,
-    check_unit_interval,
+    check_noise_scale_arguments,
+    check_optimizer_does_not_accumulate,
+    check_statistics_layers,
+    check_strategy,
+    check_train_step_not_overridden,
 )
 from gradient_accumulator.weighting import (
     ClassPlan,
     discover_classes,
+    may_add_losses,
 )
 
 # The wrapper's own constructor arguments, in signature order: the one list
@@ -269,30 +272,17 @@ class GradientAccumulateModel(keras.Model):
         self.coupled_loss = check_coupled_loss(coupled_loss)
         self.gradient_norm = check_bool("gradient_norm", gradient_norm)
         self.noise_scale = check_bool("noise_scale", noise_scale)
-        self.noise_scale_smoothing = check_unit_interval(
-            "noise_scale_smoothing", noise_scale_smoothing
+        (
+            self.noise_scale_smoothing,
+            self.noise_scale_micro_batches,
+            self.noise_scale_every,
+        ) = check_noise_scale_arguments(
+            self.noise_scale,
+            noise_scale_smoothing,
+            noise_scale_micro_batches,
+            noise_scale_every,
+            self.coupled_loss,
         )
-        if self.noise_scale_smoothing == 1.0:
-            raise ValueError(
-                "`noise_scale_smoothing` must be below 1: it is the weight an update's moving "
-                "averages keep of the previous ones, and at 1 they never move. Received: "
-                f"noise_scale_smoothing={noise_scale_smoothing!r}"
-            )
-        if noise_scale_micro_batches not in ("all", "last"):
-            raise ValueError(
-                '`noise_scale_micro_batches` must be "all" or "last" (which of a group\'s '
-                "micro-batches the noise scale measures). Received: "
-                f"noise_scale_micro_batches={noise_scale_micro_batches!r}"
-            )
-        self.noise_scale_micro_batches = noise_scale_micro_batches
-        self.noise_scale_every = check_positive_integer("noise_scale_every", noise_scale_every)
-        if self.noise_scale and self.coupled_loss is not None:
-            raise ValueError(
-                "`noise_scale=True` compares each micro-batch's own gradient with its "
-                "group's, and with `coupled_loss` a micro-batch has no gradient of its own "
-                "(its loss is the group's). Received: noise_scale=True, "
-                f"coupled_loss={self.coupled_loss!r}"
-            )
         super().__init__(*args, **kwargs)
         self._accumulator = None
         self._group_loss = None
@@ -307,11 +297,11 @@ class GradientAccumulateModel(keras.Model):
         )
         if self.built:
             # A functional model is built here: refuse a mismatch now, not at `fit`.
-            self._check_statistics_layers()
+            check_statistics_layers(self, self._steps.statistics_layers())
             self._ensure_accumulator()
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
-        self._check_strategy()
+        check_strategy(self)
         super().compile(optimizer, *args, **kwargs)
         check_optimizer_does_not_accumulate(
             self.optimizer, self.accum_steps, "GradientAccumulateModel"
@@ -479,7 +469,7 @@ class GradientAccumulateModel(keras.Model):
         self._classes_discovered = True
         _, y, _ = keras.utils.unpack_x_y_sample_weight(batch_spec)
         self._ensure_accumulator()
-        if len(tf.nest.flatten(y)) < 2 and not self._may_add_losses():
+        if len(tf.nest.flatten(y)) < 2 and not may_add_losses(self):
             # One loss and no data-dependent additional one: one class.
             self._use_normaliser_classes(ClassPlan.one_class())
             return
@@ -496,22 +486,6 @@ class GradientAccumulateModel(keras.Model):
         )
         self._use_normaliser_classes(plan)
 
-    def _may_add_losses(self):
-        """Whether the loss may hold more than one compiled loss's terms.
-
-        An overridden ``compute_loss``, an activity regularizer, or a layer
-        from outside Keras and this package (whose ``call`` may ``add_loss``).
-        """
-        if type(self).compute_loss is not keras.Model.compute_loss:
-            return True
-        for layer in sublayers(self):
-            if getattr(layer, "activity_regularizer", None) is not None:
-                return True
-            module = type(layer).__module__
-            if not module.startswith(("keras.", "gradient_accumulator.")):
-                return True
-        return False
-
     def _use_normaliser_classes(self, plan):
         """Configures the accumulator for ``plan``'s classes (a :class:`ClassPlan`)."""
         variables = self.trainable_variables
@@ -522,10 +496,10 @@ class GradientAccumulateModel(keras.Model):
     def make_train_function(self, force=False):
         # Variables are created here, eagerly and under the strategy scope,
         # never inside the traced step (that breaks tf.distribute).
-        self._check_strategy()
-        self._check_train_step_not_overridden()
-        self._check_jit_compile()
-        self._check_statistics_layers()
+        check_strategy(self)
+        check_train_step_not_overridden(self, GradientAccumulateModel)
+        check_jit_compile(self)
+        check_statistics_layers(self, self._steps.statistics_layers())
         if not force and self.train_function is not None:
             self._steps.check_variables()
         self._ensure_accumulator()
@@ -604,81 +578,6 @@ class GradientAccumulateModel(keras.Model):
             )
         self._runner.forget_update_count()
 
-    def _check_strategy(self):
-        """Refuses a model created outside the strategy scope it is used in.
-
-        Keras would silently train such a model on one device.
-        """
-        if not tf.distribute.has_strategy():
-            return
-        current = tf.distribute.get_strategy()
-        created_under = creation_strategy(self)
-        if created_under is not current:
-            created = (
-                "outside any strategy scope"
-                if created_under is None
-                else f"under another strategy ({type(created_under).__name__})"
-            )
-            raise ValueError(
-                f"Model '{self.name}' was created {created} and is now used inside "
-                f"`{type(current).__name__}.scope()`: its variables are not "
-                "distributed, so it would train on one device. Create the model "
-                "(layers included) inside `with strategy.scope():`, then compile "
-                "and fit it there."
-            )
-
-    def _check_train_step_not_overridden(self):
-        """Refuses a subclass's own ``train_step``, which ``fit`` would not run on every path.
-
-        The runner runs the wrapper's micro-steps and updates itself: a
-        ``train_step`` of a subclass would be bypassed on data of known
-        length and run on the other paths, where its optimizer step would
-        update at every micro-batch.
-        """
-        owner = next(c for c in type(self).__mro__ if "train_step" in vars(c))
-        if owner is GradientAccumulateModel:
-            return
-        raise ValueError(
-            f"Model '{self.name}' overrides `train_step` (in class {owner.__name__}): "
-            "GradientAccumulateModel runs its own micro-steps and updates, so `fit` and "
-            "`train_on_batch` would not run that step as written (on data of known length "
-            "not at all; elsewhere with an optimizer update at every micro-batch). Override "
-            "`compute_loss` to change the loss (it runs in every micro-step, or on the "
-            "whole group with `coupled_loss`) and `compute_metrics` to change the metrics; "
-            "for a training step of your own (a GAN's), subclass `keras.Model` and wrap "
-            "its optimizer in `GradientAccumulateOptimizer`. Received: "
-            f"{owner.__name__}.train_step"
-        )
-
-    def _check_jit_compile(self):
-        """Refuses XLA over several replicas, which TensorFlow fails obscurely."""
-        strategy = self.distribute_strategy
-        if self.run_eagerly or not self.jit_compile or strategy.num_replicas_in_sync == 1:
-            return
-        replicas = strategy.num_replicas_in_sync
-        raise ValueError(
-            f"`jit_compile=True` with {replicas} replicas ({type(strategy).__name__}): XLA "
-            "compiles a program for one device, and the replicas' variables live on "
-            f"{replicas}, so TensorFlow would fail at the first step (plain Keras's `fit` "
-            "fails alike). "
-            "Compile with `jit_compile=False`, or leave it at 'auto', which Keras "
-            "resolves to False under tf.distribute."
-        )
-
-    def _check_statistics_layers(self):
-        """Refuses AccumBatchNormalization layers whose accum_steps differ."""
-        for layer in self._steps.statistics_layers():
-            if layer.accum_steps != self.accum_steps:
-                raise ValueError(
-                    f"Layer '{layer.name}' has `accum_steps={layer.accum_steps}` and "
-                    f"model '{self.name}' has `accum_steps={self.accum_steps}`: its "
-                    "moving statistics would not follow the optimizer updates. Give "
-                    "both the same value, e.g. `replace_batchnorm_layers(model, "
-                    f"accum_steps={self.accum_steps})` before wrapping. Received: "
-                    f"accum_steps={layer.accum_steps} (layer), "
-                    f"accum_steps={self.accum_steps} (model)"
-                )
-
     def _ensure_accumulator(self):
         variables = self.trainable_variables
         if self._accumulator is not None and self._accumulator.matches(variables):
@@ -687,17 +586,12 @@ class GradientAccumulateModel(keras.Model):
             accumulator = GradientAccumulator(
                 self.accum_steps,
                 variables,
-                gradient_transform=(
-                    functools.partial(
-                        adaptive_clip_gradients, clip_factor=self.clip_factor, eps=self.eps
-                    )
-                    if self.use_agc
-                    else None
-                ),
+                gradient_transform=agc_transform(self.use_agc, self.clip_factor, self.eps),
                 reduce_every_micro_step=self.reduce_every_micro_step,
                 track_gradient_norm=self.gradient_norm,
                 noise_scale_decay=self.noise_scale_smoothing if self.noise_scale else None,
                 noise_scale_every=self.noise_scale_every,
+                noise_scale_last_only=self.noise_scale_micro_batches == "last",
                 name="gradient_accumulator",
             )
             # Not tracked: a plain object (the group's loss sums are transient).

@@ -116,3 +116,69 @@ def smoothed(averages, trace, signal, valid, decay):
     moved = decay * averages + (1.0 - decay) * current
     averages = ops.where(valid, moved, averages)
     return averages, ops.divide_no_nan(averages[0], averages[1])
+
+
+def _both(first, second):
+    """``first and second`` of Python booleans and boolean tensors, Python where both are."""
+    if first is False or second is False:
+        return False
+    if first is True:
+        return second
+    if second is True:
+        return first
+    return ops.logical_and(first, second)
+
+
+class Schedule:
+    """Which updates the noise scale measures: ``0, m, 2m, ...`` of the accumulator's count.
+
+    The one rule (``noise_scale_every=m``), answered in Python where the
+    answer is known when a step is traced (a whole group's function, one
+    function per answer, no conditional) and as a tensor where it is not.
+
+    Args:
+        every: Integer >= 1, ``m`` (``1``: every update, and without the
+            noise scale).
+        last_only: Boolean, ``noise_scale_micro_batches="last"``: of a
+            measured group, the last micro-batch only.
+    """
+
+    def __init__(self, every=1, last_only=False):
+        self.every = every
+        self.last_only = last_only
+        self._next = None  # the count at the coming group, where known in Python
+
+    def forget(self):
+        """The count may have moved where :meth:`next_group` did not see it: read it again."""
+        self._next = None
+
+    def next_group(self, update_count):
+        """Python boolean: whether the coming group's update is measured (counts it).
+
+        ``update_count`` (a variable) is read once (a device sync) after
+        :meth:`forget`, then counted here.
+        """
+        if self.every == 1:
+            return True
+        if self._next is None:
+            self._next = int(update_count.numpy())
+        measures = self._next % self.every == 0
+        self._next += 1
+        return measures
+
+    def update_measured(self, update_count, known=None):
+        """Whether the update being traced is measured: ``known`` if given, else at run time."""
+        if known is not None or self.every == 1:
+            return True if known is None else known
+        return ops.equal(update_count.read_value() % self.every, 0)
+
+    def micro_batch_measured(self, micro, update_count):
+        """Whether a micro-step's gradient is measured (Python boolean, or tensor).
+
+        ``micro``: its :class:`~gradient_accumulator.engine.MicroStep`
+        (``measures`` and ``is_update_step`` where known when traced).
+        """
+        measured = self.update_measured(update_count, micro.measures)
+        if self.last_only:
+            measured = _both(measured, micro.is_update_step)
+        return measured

@@ -1,7 +1,6 @@
 """The optimizer wrapper: accumulates gradients for any Keras optimizer, in any training loop."""
 
 import contextlib
-import functools
 import inspect
 import warnings
 from collections.abc import Callable
@@ -22,13 +21,16 @@ from gradient_accumulator._compat import (
     stand_in_for_loss_scale_optimizer,
 )
 from gradient_accumulator._v05 import REMOVED_OPTIMIZER_ARGUMENTS
-from gradient_accumulator.agc import adaptive_clip_gradients
+from gradient_accumulator.agc import agc_transform
 from gradient_accumulator.engine import GradientAccumulator, without_state
 from gradient_accumulator.validation import (
-    check_accum_steps,
+    check_accum_steps_or_schedule,
     check_agc_arguments,
     check_bool,
     check_keyword_arguments,
+    check_optimizer,
+    check_optimizer_does_not_accumulate,
+    refuse_double_loss_scale,
 )
 
 # Arguments of `keras.optimizers.Optimizer` that belong to the inner optimizer:
@@ -72,98 +74,6 @@ def _forwarded_attribute(name):
     return property(get, set_, doc=f"The inner optimizer's ``{name}`` (readable and settable).")
 
 
-def _resolve_optimizer(optimizer):
-    """Returns ``optimizer`` as a Keras optimizer instance or raises naming it."""
-    if isinstance(optimizer, (str, dict)):
-        try:
-            optimizer = keras.optimizers.get(optimizer)
-        except ValueError as error:
-            raise ValueError(
-                "`optimizer` must be a `keras.optimizers.Optimizer` instance or "
-                "the name of one, such as 'adam'. Received: "
-                f"optimizer={optimizer!r}"
-            ) from error
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise ValueError(
-            "`optimizer` must be a `keras.optimizers.Optimizer` instance or the "
-            "name of one, such as 'adam'. Received: "
-            f"optimizer={optimizer!r} of type {type(optimizer).__name__}"
-        )
-    return optimizer
-
-
-def _variable_name(variable):
-    # A `tf.Variable` has no `path`.
-    return getattr(variable, "path", variable.name)
-
-
-def _refuse_double_loss_scale(received):
-    raise ValueError(
-        "This `GradientAccumulateOptimizer` wraps a `LossScaleOptimizer` and is "
-        "being wrapped in another (`model.compile()` does so under the "
-        "'mixed_float16' policy): the loss would be scaled twice. Compile with "
-        "`auto_scale_loss=False`, or let `compile` wrap a "
-        "`GradientAccumulateOptimizer` of the plain optimizer. Received: "
-        f"{received}"
-    )
-
-
-def check_optimizer_does_not_accumulate(optimizer, accum_steps, owner):
-    """Refuses an optimizer that already accumulates gradients.
-
-    The one check for it, used by ``GradientAccumulateModel.compile`` and by
-    ``GradientAccumulateOptimizer``: a second accumulation (Keras's own
-    ``gradient_accumulation_steps``, or a ``GradientAccumulateOptimizer``)
-    would silently multiply the effective batch. The whole chain of
-    ``inner_optimizer`` is looked through (``LossScaleOptimizer``).
-
-    Args:
-        optimizer: The Keras optimizer about to be used.
-        accum_steps: The ``accum_steps`` of ``owner`` (for the message).
-        owner: ``"GradientAccumulateModel"`` or ``"GradientAccumulateOptimizer"``,
-            which decides what the message tells the user to do.
-    """
-    in_model = owner == "GradientAccumulateModel"
-    for opt in optimizer_chain(optimizer):
-        if isinstance(opt, GradientAccumulateOptimizer):
-            fix = (
-                "compile with `optimizer.inner_optimizer` and keep `accum_steps` on the model"
-                if in_model
-                else "wrap the inner optimizer once, with `accum_steps` the product of both"
-            )
-            raise ValueError(
-                "The optimizer is already a `GradientAccumulateOptimizer` "
-                f"(accum_steps={opt.accum_steps!r}) and `{owner}` accumulates too "
-                f"(`accum_steps={accum_steps!r}`): the effective batch would multiply. "
-                f"Keep one: {fix}. Received: optimizer=GradientAccumulateOptimizer("
-                f"accum_steps={opt.accum_steps!r})"
-            )
-        steps = getattr(opt, "gradient_accumulation_steps", None)
-        if steps:
-            fix = (
-                "create the optimizer without `gradient_accumulation_steps` and set "
-                "`accum_steps` on the model"
-                if in_model
-                else "create it without `gradient_accumulation_steps` and pass "
-                f"`accum_steps={steps}` to `GradientAccumulateOptimizer`"
-            )
-            raise ValueError(
-                "The optimizer accumulates gradients itself "
-                f"(`gradient_accumulation_steps={steps}`) and `{owner}` accumulates too "
-                f"(`accum_steps={accum_steps!r}`): the effective batch would multiply. "
-                f"Keep one: {fix} (exact under tf.distribute, schedules count "
-                f"updates). Received: optimizer={type(opt).__name__}"
-                f"(gradient_accumulation_steps={steps})"
-            )
-
-
-def _check_accum_steps(accum_steps):
-    """An integer >= 1 (validated) or a callable schedule (kept as is)."""
-    if callable(accum_steps):
-        return accum_steps
-    return check_accum_steps(accum_steps)
-
-
 # What to do instead of arguments that `GradientAccumulateOptimizer` refuses:
 # the inner optimizer's own arguments, Keras's built-in accumulation, and the
 # arguments of gradient_accumulator 0.5.
@@ -195,6 +105,104 @@ def _is_registered(obj):
     return keras.saving.get_registered_object(name) is target
 
 
+def _ordered_gradients(optimizer, grads, trainable_variables):
+    """``(variables, gradients)`` in the order of ``build`` (``None`` where none), checked.
+
+    Builds ``optimizer`` (and its inner optimizer) at its first call, as
+    Keras's ``apply`` builds an optimizer; refuses gradients that do not
+    match the variables, and warns, as Keras does, of variables without one.
+    """
+    if trainable_variables is None:
+        if not optimizer.built:
+            raise ValueError(
+                "When passing `grads` without `trainable_variables`, the "
+                "optimizer must already be built. Call "
+                "`optimizer.build(trainable_variables)` first."
+            )
+        trainable_variables = optimizer_variables_in_build_order(optimizer)
+    else:
+        trainable_variables = list(trainable_variables)
+        if not optimizer.built:
+            if not optimizer.inner_optimizer.built:
+                # Where Keras's own `apply` builds it, in the traced step:
+                # a build that reads the model's variables (ScheduleFreeAdamW
+                # copies them) must read them there, where a model built by
+                # that step has them (outside, they are uninitialized).
+                # Under a strategy (Keras < 3.5's fit builds nothing first)
+                # variables created there fail once read in the update's
+                # conditional: they are created outside, as below.
+                with tf.init_scope() if tf.distribute.has_strategy() else contextlib.nullcontext():
+                    optimizer.inner_optimizer.build(trainable_variables)
+            # The accumulation state is created outside the traced step (as
+            # Keras >= 3.5's fit does by building first): inside it, the
+            # update's conditional cannot initialize it under tf.distribute.
+            with tf.init_scope():
+                optimizer.build(trainable_variables)
+        check_optimizer_knows(optimizer, trainable_variables)
+    if len(grads) != len(trainable_variables):
+        raise ValueError(
+            "`grads` and `trainable_variables` must have the same length. "
+            f"Received: len(grads)={len(grads)}, "
+            f"len(trainable_variables)={len(trainable_variables)}"
+        )
+    if all(g is None for g in grads):
+        raise ValueError("No gradients provided for any variable.")
+    missing = [getattr(v, "path", v.name) for g, v in zip(grads, trainable_variables) if g is None]
+    if missing:
+        # Keras's own warning, for the variables the caller gave no gradient.
+        warnings.warn(
+            f"Gradients do not exist for variables {missing} when minimizing the "
+            "loss. If using `model.compile()`, did you forget to provide a `loss` "
+            "argument?",
+            stacklevel=2,
+        )
+    # The engine sums into one fixed list: the variables of `build`.
+    built_with = optimizer_variables_in_build_order(optimizer)
+    ordered = [None] * len(built_with)
+    for grad, variable in zip(grads, trainable_variables):
+        ordered[optimizer_variable_index(optimizer, variable)] = grad
+    return built_with, ordered
+
+
+def _outer_loss_scale(optimizer):
+    """The ``LossScaleOptimizer`` wrapping ``optimizer`` whose role it takes, if any.
+
+    Called from ``build``, which a ``LossScaleOptimizer`` wrapping this
+    one calls from its own ``build`` (``model.compile()`` wraps it under
+    'mixed_float16'). Refuses a second loss scale. Otherwise the wrapper
+    takes the outer one's role (see "Mixed precision" in the class
+    description): built by ``build`` (Keras's or the user's), or by the
+    outer one's first ``apply`` while tracing (``fit`` traces its step
+    again once it has created variables, and that trace runs). Built by
+    that ``apply`` eagerly (``run_eagerly=True``), the step has already
+    been scaled by the outer one's own ``scale_loss``: it warns and
+    leaves the outer one's role to it.
+    """
+    outer = loss_scale_optimizer_building(optimizer)
+    if outer is None:
+        return None
+    if isinstance(optimizer.inner_optimizer, keras.optimizers.LossScaleOptimizer):
+        refuse_double_loss_scale(
+            f"LossScaleOptimizer(GradientAccumulateOptimizer(LossScaleOptimizer("
+            f"{type(optimizer.inner_optimizer.inner_optimizer).__name__})))"
+        )
+    if not (tf.executing_eagerly() and loss_scale_optimizer_applying(outer)):
+        return outer
+    warnings.warn(
+        "A `LossScaleOptimizer` wraps this `GradientAccumulateOptimizer` "
+        "(`model.compile()` does so under 'mixed_float16') and builds it in its "
+        "first `apply`, eagerly (`fit` with `run_eagerly=True`): that step has "
+        "already been scaled as a whole batch, so the wrapper cannot take the "
+        "loss scale's role, and every micro-batch's loss is scaled as a whole "
+        "batch's (a micro-batch may overflow where the big batch would not; that "
+        "micro-step is dropped and the scale halved). Build the optimizer before "
+        "`fit`, `model.optimizer.build(model.trainable_variables)`, for the big "
+        "batch's loss scale.",
+        stacklevel=3,
+    )
+    return None
+
+
 class _PresentGradients:
     """Hands the inner optimizer only the variables that have a gradient.
 
@@ -222,12 +230,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     For custom training loops and for ``compile()`` of a plain ``keras.Model``.
     Each ``apply_gradients`` call (a *micro-step*) adds its gradients to
     float32 sums; every ``accum_steps``-th (an *update*) hands their mean to
-    the inner optimizer and empties the sums. With ``g_i`` the gradient of
-    micro-step ``i`` of a group of ``k = accum_steps``::
-
-        g = (g_1 + ... + g_k) / k      # sum_i(g_i) / sum_i(w_i) with scale_loss
-        g = adaptive_clip_gradients(g, weights)   # only if use_agc=True
-        inner_optimizer.apply(g)       # iterations += 1
+    the inner optimizer and empties the sums: with ``g_i`` the gradient of
+    micro-step ``i`` of a group of ``k = accum_steps``, the update applies
+    ``(g_1 + ... + g_k) / k`` (``sum_i(w_i * g_i) / sum_i(w_i)`` with
+    :meth:`scale_loss`; the formula: :mod:`gradient_accumulator.update`),
+    clipped by AGC if ``use_agc=True``.
 
     The calls in between change neither the weights nor the inner optimizer's
     state, so ``iterations`` and learning-rate schedules count updates. When
@@ -297,8 +304,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         check_keyword_arguments(
             "GradientAccumulateOptimizer", kwargs, _OWN_ARGUMENTS, _REFUSED_ARGUMENTS
         )
-        accum_steps = _check_accum_steps(accum_steps)
-        inner_optimizer = _resolve_optimizer(optimizer)
+        accum_steps = check_accum_steps_or_schedule(accum_steps)
+        inner_optimizer = check_optimizer(optimizer)
         check_optimizer_does_not_accumulate(
             inner_optimizer, accum_steps, "GradientAccumulateOptimizer"
         )
@@ -329,14 +336,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 of :meth:`apply` may pass gradients for any subset of them.
         """
         var_list = list(var_list)
-        outer = self._outer_loss_scale()
+        outer = _outer_loss_scale(self)
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
-        transform = None
-        if self.use_agc:
-            transform = functools.partial(
-                adaptive_clip_gradients, clip_factor=self.clip_factor, eps=self.eps
-            )
+        transform = agc_transform(self.use_agc, self.clip_factor, self.eps)
         # Created here, eagerly, never inside a traced step.
         with keras.name_scope(self.name, caller=self):
             self._accumulator = GradientAccumulator(
@@ -382,59 +385,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         grads = list(grads)
         if not grads:
             return
-        if trainable_variables is None:
-            if not self.built:
-                raise ValueError(
-                    "When passing `grads` without `trainable_variables`, the "
-                    "optimizer must already be built. Call "
-                    "`optimizer.build(trainable_variables)` first."
-                )
-            trainable_variables = optimizer_variables_in_build_order(self)
-        else:
-            trainable_variables = list(trainable_variables)
-            if not self.built:
-                if not self.inner_optimizer.built:
-                    # Where Keras's own `apply` builds it, in the traced step:
-                    # a build that reads the model's variables (ScheduleFreeAdamW
-                    # copies them) must read them there, where a model built by
-                    # that step has them (outside, they are uninitialized).
-                    # Under a strategy (Keras < 3.5's fit builds nothing first)
-                    # variables created there fail once read in the update's
-                    # conditional: they are created outside, as below.
-                    with (
-                        tf.init_scope()
-                        if tf.distribute.has_strategy()
-                        else contextlib.nullcontext()
-                    ):
-                        self.inner_optimizer.build(trainable_variables)
-                # The accumulation state is created outside the traced step (as
-                # Keras >= 3.5's fit does by building first): inside it, the
-                # update's conditional cannot initialize it under tf.distribute.
-                with tf.init_scope():
-                    self.build(trainable_variables)
-            check_optimizer_knows(self, trainable_variables)
-        if len(grads) != len(trainable_variables):
-            raise ValueError(
-                "`grads` and `trainable_variables` must have the same length. "
-                f"Received: len(grads)={len(grads)}, "
-                f"len(trainable_variables)={len(trainable_variables)}"
-            )
-        if all(g is None for g in grads):
-            raise ValueError("No gradients provided for any variable.")
-        missing = [_variable_name(v) for g, v in zip(grads, trainable_variables) if g is None]
-        if missing:
-            # Keras's own warning, for the variables the caller gave no gradient.
-            warnings.warn(
-                f"Gradients do not exist for variables {missing} when minimizing the "
-                "loss. If using `model.compile()`, did you forget to provide a `loss` "
-                "argument?",
-                stacklevel=2,
-            )
-        # The engine sums into one fixed list: the variables of `build`.
-        built_with = optimizer_variables_in_build_order(self)
-        ordered = [None] * len(built_with)
-        for grad, variable in zip(grads, trainable_variables):
-            ordered[optimizer_variable_index(self, variable)] = grad
+        built_with, ordered = _ordered_gradients(self, grads, trainable_variables)
         accumulator = self._accumulator
         micro = accumulator.start_micro_step()
         weight = accumulator.take_pending_weight()
@@ -522,7 +473,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if isinstance(inner, keras.optimizers.LossScaleOptimizer):
             # A LossScaleOptimizer clears the factor of the optimizer it wraps:
             # this one already holds one.
-            _refuse_double_loss_scale(f"loss_scale_factor={value!r}")
+            refuse_double_loss_scale(f"loss_scale_factor={value!r}")
         inner.loss_scale_factor = value
 
     @property
@@ -540,18 +491,12 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         return self.inner_optimizer.variables
 
     def set_weights(self, weights):
-        """Sets :attr:`variables` (the inner optimizer's), all of them.
-
-        The accumulation state is not among them: a group in progress goes on.
+        """Sets :attr:`variables` (the inner optimizer's), all of them; a group goes on.
 
         Args:
-            weights: One array per entry of :attr:`variables`, in that order
-                (e.g. another optimizer's ``variables``).
-
-        Raises:
-            ValueError: If the optimizer is not built, or ``weights`` has not
-                one entry per variable (Keras's own ``set_weights`` would set
-                the first ones and ignore the rest).
+            weights: One array per entry of :attr:`variables`, in that order.
+                Refused unless built, and unless one per variable (Keras's
+                own ``set_weights`` would set the first ones, ignore the rest).
         """
         if not self.built:
             raise ValueError(
@@ -731,44 +676,6 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 config["accum_steps"], custom_objects=custom_objects
             )
         return cls(**config)
-
-    def _outer_loss_scale(self):
-        """The ``LossScaleOptimizer`` wrapping this one whose role it takes, if any.
-
-        Called from ``build``, which a ``LossScaleOptimizer`` wrapping this
-        one calls from its own ``build`` (``model.compile()`` wraps it under
-        'mixed_float16'). Refuses a second loss scale. Otherwise the wrapper
-        takes the outer one's role (see "Mixed precision" in the class
-        description): built by ``build`` (Keras's or the user's), or by the
-        outer one's first ``apply`` while tracing (``fit`` traces its step
-        again once it has created variables, and that trace runs). Built by
-        that ``apply`` eagerly (``run_eagerly=True``), the step has already
-        been scaled by the outer one's own ``scale_loss``: it warns and
-        leaves the outer one's role to it.
-        """
-        outer = loss_scale_optimizer_building(self)
-        if outer is None:
-            return None
-        if isinstance(self.inner_optimizer, keras.optimizers.LossScaleOptimizer):
-            _refuse_double_loss_scale(
-                f"LossScaleOptimizer(GradientAccumulateOptimizer(LossScaleOptimizer("
-                f"{type(self.inner_optimizer.inner_optimizer).__name__})))"
-            )
-        if not (tf.executing_eagerly() and loss_scale_optimizer_applying(outer)):
-            return outer
-        warnings.warn(
-            "A `LossScaleOptimizer` wraps this `GradientAccumulateOptimizer` "
-            "(`model.compile()` does so under 'mixed_float16') and builds it in its "
-            "first `apply`, eagerly (`fit` with `run_eagerly=True`): that step has "
-            "already been scaled as a whole batch, so the wrapper cannot take the "
-            "loss scale's role, and every micro-batch's loss is scaled as a whole "
-            "batch's (a micro-batch may overflow where the big batch would not; that "
-            "micro-step is dropped and the scale halved). Build the optimizer before "
-            "`fit`, `model.optimizer.build(model.trainable_variables)`, for the big "
-            "batch's loss scale.",
-            stacklevel=3,
-        )
-        return None
 
     def _scaler(self):
         """What scales the loss: the update's optimizer once built, else the inner one."""

@@ -131,9 +131,6 @@ class GroupRunner:
         self._functions = {}
         self.epoch_boundary = None  # an EpochBoundary while `fit` runs
         self._fit_steps_per_execution = None
-        # The accumulator's update count at the coming group, where known
-        # in Python (`_measures_next_group`); `None` to read it.
-        self._next_update = None
 
     def compiled(self, case, measures=True):
         """The function traced for ``case`` (for tests and benchmarks), or ``None`` before any.
@@ -222,37 +219,21 @@ class GroupRunner:
             if case == COUPLED_GROUPS:
                 group = self._compiled_once(COUPLED_GROUPS, self._coupled.group_function)
             else:
-                group = self.group_function(self._measures_next_group())
+                accumulator = self._steps.accumulator
+                measures = accumulator.noise_schedule.next_group(accumulator.update_count)
+                group = self.group_function(measures)
             logs = group(iterator, tf.constant(length, "int32"))
         return logs
 
     def forget_update_count(self):
-        """The accumulator's update count may have moved outside this runner's view: read it again.
+        """The update count may have moved outside this runner's view (the noise scale's schedule).
 
-        Called where updates run that ``_measures_next_group`` does not
-        count (micro-steps, ``group_step``, a group applied early) and where
-        the count is set (a new ``fit``, a loaded file).
+        Called where updates run that the whole-groups case does not count
+        (micro-steps, ``group_step``, a group applied early) and where the
+        count is set (a new ``fit``, a loaded file).
         """
-        self._next_update = None
-
-    def _measures_next_group(self):
-        """Whether the noise scale measures the coming group's update (Python boolean).
-
-        Every group with ``noise_scale_every=1`` (and without the noise
-        scale: the flag is then unused). Otherwise the accumulator's count,
-        read once (a device sync) after any update this runner did not
-        count, then counted here: the updates
-        :meth:`GradientAccumulator.noise_update_measured` names.
-        """
-        model = self._model
-        every = model.noise_scale_every if model.noise_scale else 1
-        if every == 1:
-            return True
-        if self._next_update is None:
-            self._next_update = int(self._steps.accumulator.update_count.numpy())
-        measures = self._next_update % every == 0
-        self._next_update += 1
-        return measures
+        if self._steps.accumulator is not None:
+            self._steps.accumulator.noise_schedule.forget()
 
     def _compiled_once(self, key, make):
         """``make()``, compiled (``tf.function``, unless ``run_eagerly``) and kept under ``key``."""

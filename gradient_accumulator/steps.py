@@ -224,8 +224,7 @@ class ModelSteps:
         Where the noise scale measures the last micro-batch only, in the
         updates it measures.
         """
-        model = self._model
-        return bool(measures and model.noise_scale and model.noise_scale_micro_batches == "last")
+        return bool(measures and self.accumulator.noise_schedule.last_only)
 
     def forward(self, x, y, sample_weight, is_first):
         """The forward pass and the loss: ``(y_pred, MicroBatchLoss)`` (call on a tape).
@@ -277,10 +276,8 @@ class ModelSteps:
         With ``noise_scale_micro_batches="last"``, the group's last
         micro-step only measures its gradient (``micro.is_update_step``: a
         Python boolean in a group's function, a tensor in Keras's train
-        step). With ``noise_scale_every > 1``, only the updates that
-        :meth:`GradientAccumulator.noise_update_measured` names:
-        ``micro.measures`` where known when traced, the accumulator's count
-        at run time otherwise.
+        step). With ``noise_scale_every > 1``, only the updates that the
+        schedule names (:class:`~gradient_accumulator.noise_scale.Schedule`).
         """
         model = self._model
         accumulator = self.accumulator
@@ -296,8 +293,7 @@ class ModelSteps:
                 f"{len(micro_loss.additional_losses)} additional loss term(s)"
             )
         if micro.measures is False:
-            # An update the noise scale skips (`noise_scale_every`): nothing to add.
-            return
+            return  # an update the noise scale skips (`noise_scale_every`): nothing to add
         weight = ops.cast(divisors[0], "float32")
         scale = ops.cast(model.optimizer.scale_loss(tf.constant(1.0)), "float32")
         # The training loss is the replica's share (divided by the replicas).
@@ -307,29 +303,15 @@ class ModelSteps:
         def squared_norm():
             return noise_scale.squared_norm(class_grads[0], accumulator.takes_maximum)
 
-        # Whether this micro-batch is measured: Python booleans where known
-        # when traced (a group's own steps), tensors otherwise.
-        static, at_run_time = True, []
-        if model.noise_scale_every > 1 and micro.measures is None:
-            at_run_time.append(accumulator.noise_update_measured())
-        if model.noise_scale_micro_batches == "last":
-            ends = micro.is_update_step
-            if isinstance(ends, bool):
-                static = ends
-            else:
-                at_run_time.append(ends)
-        measured = None
-        if not static:
+        measured = accumulator.noise_schedule.micro_batch_measured(micro, accumulator.update_count)
+        if measured is False:
             squared, measured = ops.zeros((), "float32"), tf.constant(False)
-        elif not at_run_time:
-            squared = squared_norm()
+        elif measured is True:
+            squared, measured = squared_norm(), None
         else:
-            measured = at_run_time[0]
-            for condition in at_run_time[1:]:
-                measured = ops.logical_and(measured, condition)
             squared = tf.cond(measured, squared_norm, lambda: ops.zeros((), "float32"))
         summary = noise_scale.micro_batch_summary(squared, factor, size, measured)
-        accumulator.add_noise_summary(summary)
+        accumulator.noise_sums.assign_add(summary, read_value=False)
 
     def _output_losses(self, micro_loss, trackers, before):
         """Per output whose loss Keras logs apart, ``(tracker, loss, normaliser)``.

@@ -306,9 +306,11 @@ def _update(accumulator, plan, reduced, optimizer, variables, noise_measured):
         apply_statistics(total)
     means = _group_means(plan, sums, weights, len(variables))
     mean_grads = [None if m is None else ops.cast(m, v.dtype) for v, m in zip(variables, means)]
-    noise = noise_sums is not None and noise_measured is not False
-    decide_at_run_time = noise_measured is None and accumulator.noise_scale_every > 1
-    if noise and decide_at_run_time and not accumulator.track_gradient_norm:
+    measured = False
+    if noise_sums is not None:
+        schedule = accumulator.noise_schedule
+        measured = schedule.update_measured(accumulator.update_count, noise_measured)
+    if not isinstance(measured, bool) and not accumulator.track_gradient_norm:
         # Decided at run time (`noise_scale_every`): the group's norm only
         # in the updates that measure.
         def measure():
@@ -316,13 +318,14 @@ def _update(accumulator, plan, reduced, optimizer, variables, noise_measured):
             _update_noise_scale(accumulator, noise_sums, ops.square(norm))
             return ops.zeros((), "float32")
 
-        measured = accumulator.noise_update_measured()
         tf.cond(measured, measure, lambda: ops.zeros((), "float32"))
-    elif accumulator.track_gradient_norm or noise:
+    elif accumulator.track_gradient_norm or measured is not False:
         norm = _mean_gradient_norm(accumulator, mean_grads, optimizer)
         if accumulator.track_gradient_norm:
             accumulator.gradient_norm.assign(norm)
-        if noise:
+        if measured is not False:
+            # Unmeasured updates (decided at run time) have no summaries:
+            # their estimates are not valid, and leave the averages.
             _update_noise_scale(accumulator, noise_sums, ops.square(norm))
     transform = accumulator.gradient_transform
     if transform is not None:

@@ -1,8 +1,13 @@
-"""Argument validation shared by every public class, with Keras-style messages."""
+"""Argument and set-up validation shared by every public class, with Keras-style messages."""
 
 import difflib
 import math
 import numbers
+
+import keras
+import tensorflow as tf
+
+from gradient_accumulator._compat import creation_strategy, optimizer_chain
 
 
 def check_positive_integer(name, value):
@@ -120,3 +125,195 @@ def check_agc_arguments(use_agc, clip_factor, eps):
                     f"Received: {name}={value!r}, use_agc=False"
                 )
     return use_agc, clip_factor, eps
+
+
+def check_noise_scale_arguments(noise_scale, smoothing, micro_batches, every, coupled_loss):
+    """The noise scale's ``(smoothing, micro_batches, every)``, checked."""
+    smoothing = check_unit_interval("noise_scale_smoothing", smoothing)
+    if smoothing == 1.0:
+        raise ValueError(
+            "`noise_scale_smoothing` must be below 1: it is the weight an update's moving "
+            "averages keep of the previous ones, and at 1 they never move. Received: "
+            f"noise_scale_smoothing={smoothing!r}"
+        )
+    if micro_batches not in ("all", "last"):
+        raise ValueError(
+            '`noise_scale_micro_batches` must be "all" or "last" (which of a group\'s '
+            "micro-batches the noise scale measures). Received: "
+            f"noise_scale_micro_batches={micro_batches!r}"
+        )
+    every = check_positive_integer("noise_scale_every", every)
+    if noise_scale and coupled_loss is not None:
+        raise ValueError(
+            "`noise_scale=True` compares each micro-batch's own gradient with its "
+            "group's, and with `coupled_loss` a micro-batch has no gradient of its own "
+            "(its loss is the group's). Received: noise_scale=True, "
+            f"coupled_loss={coupled_loss!r}"
+        )
+    return smoothing, micro_batches, every
+
+
+def check_strategy(model):
+    """Refuses a model created outside the strategy scope it is used in.
+
+    Keras would silently train such a model on one device.
+    """
+    if not tf.distribute.has_strategy():
+        return
+    current = tf.distribute.get_strategy()
+    created_under = creation_strategy(model)
+    if created_under is not current:
+        created = (
+            "outside any strategy scope"
+            if created_under is None
+            else f"under another strategy ({type(created_under).__name__})"
+        )
+        raise ValueError(
+            f"Model '{model.name}' was created {created} and is now used inside "
+            f"`{type(current).__name__}.scope()`: its variables are not "
+            "distributed, so it would train on one device. Create the model "
+            "(layers included) inside `with strategy.scope():`, then compile "
+            "and fit it there."
+        )
+
+
+def check_train_step_not_overridden(model, wrapper_class):
+    """Refuses a subclass's own ``train_step``, which ``fit`` would not run on every path.
+
+    The runner runs the wrapper's micro-steps and updates itself: a
+    ``train_step`` of a subclass would be bypassed on data of known
+    length and run on the other paths, where its optimizer step would
+    update at every micro-batch.
+    """
+    owner = next(c for c in type(model).__mro__ if "train_step" in vars(c))
+    if owner is wrapper_class:
+        return
+    raise ValueError(
+        f"Model '{model.name}' overrides `train_step` (in class {owner.__name__}): "
+        "GradientAccumulateModel runs its own micro-steps and updates, so `fit` and "
+        "`train_on_batch` would not run that step as written (on data of known length "
+        "not at all; elsewhere with an optimizer update at every micro-batch). Override "
+        "`compute_loss` to change the loss (it runs in every micro-step, or on the "
+        "whole group with `coupled_loss`) and `compute_metrics` to change the metrics; "
+        "for a training step of your own (a GAN's), subclass `keras.Model` and wrap "
+        "its optimizer in `GradientAccumulateOptimizer`. Received: "
+        f"{owner.__name__}.train_step"
+    )
+
+
+def check_jit_compile(model):
+    """Refuses XLA over several replicas, which TensorFlow fails obscurely."""
+    strategy = model.distribute_strategy
+    if model.run_eagerly or not model.jit_compile or strategy.num_replicas_in_sync == 1:
+        return
+    replicas = strategy.num_replicas_in_sync
+    raise ValueError(
+        f"`jit_compile=True` with {replicas} replicas ({type(strategy).__name__}): XLA "
+        "compiles a program for one device, and the replicas' variables live on "
+        f"{replicas}, so TensorFlow would fail at the first step (plain Keras's `fit` "
+        "fails alike). "
+        "Compile with `jit_compile=False`, or leave it at 'auto', which Keras "
+        "resolves to False under tf.distribute."
+    )
+
+
+def check_statistics_layers(model, layers):
+    """Refuses AccumBatchNormalization layers whose accum_steps differ."""
+    for layer in layers:
+        if layer.accum_steps != model.accum_steps:
+            raise ValueError(
+                f"Layer '{layer.name}' has `accum_steps={layer.accum_steps}` and "
+                f"model '{model.name}' has `accum_steps={model.accum_steps}`: its "
+                "moving statistics would not follow the optimizer updates. Give "
+                "both the same value, e.g. `replace_batchnorm_layers(model, "
+                f"accum_steps={model.accum_steps})` before wrapping. Received: "
+                f"accum_steps={layer.accum_steps} (layer), "
+                f"accum_steps={model.accum_steps} (model)"
+            )
+
+
+def refuse_double_loss_scale(received):
+    raise ValueError(
+        "This `GradientAccumulateOptimizer` wraps a `LossScaleOptimizer` and is "
+        "being wrapped in another (`model.compile()` does so under the "
+        "'mixed_float16' policy): the loss would be scaled twice. Compile with "
+        "`auto_scale_loss=False`, or let `compile` wrap a "
+        "`GradientAccumulateOptimizer` of the plain optimizer. Received: "
+        f"{received}"
+    )
+
+
+def check_optimizer_does_not_accumulate(optimizer, accum_steps, owner):
+    """Refuses an optimizer that already accumulates gradients.
+
+    The one check for it, used by ``GradientAccumulateModel.compile`` and by
+    ``GradientAccumulateOptimizer``: a second accumulation (Keras's own
+    ``gradient_accumulation_steps``, or a ``GradientAccumulateOptimizer``)
+    would silently multiply the effective batch. The whole chain of
+    ``inner_optimizer`` is looked through (``LossScaleOptimizer``).
+
+    Args:
+        optimizer: The Keras optimizer about to be used.
+        accum_steps: The ``accum_steps`` of ``owner`` (for the message).
+        owner: ``"GradientAccumulateModel"`` or ``"GradientAccumulateOptimizer"``,
+            which decides what the message tells the user to do.
+    """
+    in_model = owner == "GradientAccumulateModel"
+    for opt in optimizer_chain(optimizer):
+        if hasattr(type(opt), "accumulation_variables"):  # a GradientAccumulateOptimizer
+            fix = (
+                "compile with `optimizer.inner_optimizer` and keep `accum_steps` on the model"
+                if in_model
+                else "wrap the inner optimizer once, with `accum_steps` the product of both"
+            )
+            raise ValueError(
+                "The optimizer is already a `GradientAccumulateOptimizer` "
+                f"(accum_steps={opt.accum_steps!r}) and `{owner}` accumulates too "
+                f"(`accum_steps={accum_steps!r}`): the effective batch would multiply. "
+                f"Keep one: {fix}. Received: optimizer=GradientAccumulateOptimizer("
+                f"accum_steps={opt.accum_steps!r})"
+            )
+        steps = getattr(opt, "gradient_accumulation_steps", None)
+        if steps:
+            fix = (
+                "create the optimizer without `gradient_accumulation_steps` and set "
+                "`accum_steps` on the model"
+                if in_model
+                else "create it without `gradient_accumulation_steps` and pass "
+                f"`accum_steps={steps}` to `GradientAccumulateOptimizer`"
+            )
+            raise ValueError(
+                "The optimizer accumulates gradients itself "
+                f"(`gradient_accumulation_steps={steps}`) and `{owner}` accumulates too "
+                f"(`accum_steps={accum_steps!r}`): the effective batch would multiply. "
+                f"Keep one: {fix} (exact under tf.distribute, schedules count "
+                f"updates). Received: optimizer={type(opt).__name__}"
+                f"(gradient_accumulation_steps={steps})"
+            )
+
+
+def check_accum_steps_or_schedule(accum_steps):
+    """An integer >= 1 (validated) or a callable schedule (kept as is)."""
+    if callable(accum_steps):
+        return accum_steps
+    return check_accum_steps(accum_steps)
+
+
+def check_optimizer(optimizer):
+    """Returns ``optimizer`` as a Keras optimizer instance or raises naming it."""
+    if isinstance(optimizer, (str, dict)):
+        try:
+            optimizer = keras.optimizers.get(optimizer)
+        except ValueError as error:
+            raise ValueError(
+                "`optimizer` must be a `keras.optimizers.Optimizer` instance or "
+                "the name of one, such as 'adam'. Received: "
+                f"optimizer={optimizer!r}"
+            ) from error
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError(
+            "`optimizer` must be a `keras.optimizers.Optimizer` instance or the "
+            "name of one, such as 'adam'. Received: "
+            f"optimizer={optimizer!r} of type {type(optimizer).__name__}"
+        )
+    return optimizer

@@ -31,6 +31,7 @@ A train function traced without that pass, or a loss with
 
 import warnings
 
+import keras
 import tensorflow as tf
 from keras import ops
 
@@ -38,6 +39,7 @@ from gradient_accumulator._compat import (
     keras_apply_mask,
     keras_squeeze_or_expand_to_same_rank,
     replicas_dividing_the_training_loss,
+    sublayers,
 )
 
 SAMPLES = "samples"
@@ -436,3 +438,20 @@ def discover_classes(forward, variables, strategy, batch_spec):
     with strategy.scope():
         tf.function(traced, autograph=False).get_concrete_function(*batch_spec)
     return found.get("plan", ClassPlan.one_class())
+
+
+def may_add_losses(model):
+    """Whether the loss may hold more than one compiled loss's terms.
+
+    An overridden ``compute_loss``, an activity regularizer, or a layer
+    from outside Keras and this package (whose ``call`` may ``add_loss``).
+    """
+    if type(model).compute_loss is not keras.Model.compute_loss:
+        return True
+    for layer in sublayers(model):
+        if getattr(layer, "activity_regularizer", None) is not None:
+            return True
+        module = type(layer).__module__
+        if not module.startswith(("keras.", "gradient_accumulator.")):
+            return True
+    return False

@@ -108,6 +108,10 @@ EXPECTED = {
             "rounds",
         },
     ),
+    "compare_trees": (
+        {"benchmark", "base", "rounds", "options", "quick", "results"},
+        None,  # per configuration, per figure: this tree's, the base's, their difference
+    ),
     "bn_overhead": (
         {"accum_steps", "widths", "micro_batch", "goal", "single_device", "mirrored"},
         {"mode", "accum_over_keras", "accumulate_only_over_keras", "update_step_over_keras"},
@@ -386,3 +390,14 @@ def test_fit_time_times_noise_scale_beside_the_library(tmp_path):
         assert entry["noise_scale_last_over_library"] > 0
         assert entry["noise_scale_last_every_cpu_over_library"] > 0
         assert entry["noise_scale_every"] == 4
+
+
+@pytest.mark.slow
+def test_compare_trees_reports_each_tree_s_figures(quick):
+    # Quick: this tree against itself, one run each; the figures of both.
+    _, payload = quick("compare_trees")
+    assert payload["benchmark"] == "fit_time" and payload["results"]
+    for entry in payload["results"].values():
+        assert set(entry) == {"library_cpu_over_plain", "library_over_plain"}
+        for values in entry.values():
+            assert values["difference"] == pytest.approx(values["this_tree"] - values["base"])

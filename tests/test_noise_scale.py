@@ -372,3 +372,44 @@ def test_the_arguments_are_saved(tmp_path):
     assert loaded.gradient_norm is True
     history = loaded.fit(x, y, batch_size=8, verbose=0)
     assert {"noise_scale", "gradient_norm"} <= set(history.history)
+
+
+def test_the_schedule_answers_in_python_where_known_and_as_a_tensor_where_not():
+    # One rule (updates 0, m, 2m, ... of the count), three answers: the
+    # runner's Python one for the coming group (the count read once, then
+    # counted), the tensor of an update traced without it, and a micro-step's
+    # (the last micro-batch only with noise_scale_micro_batches="last").
+    from gradient_accumulator.engine import MicroStep
+    from gradient_accumulator.noise_scale import Schedule
+
+    count = tf.Variable(4, dtype="int64")
+    schedule = Schedule(every=3)
+    assert [schedule.next_group(count) for _ in range(5)] == [False, False, True, False, False]
+    count.assign(7)
+    assert schedule.next_group(count) is True  # counted from 4 (9), not read again
+    schedule.forget()
+    assert schedule.next_group(count) is False  # read again: 7
+    assert [bool(schedule.update_measured(count.assign(c))) for c in (0, 1, 3, 5)] == [
+        True,
+        False,
+        True,
+        False,
+    ]
+    assert schedule.update_measured(count, known=False) is False
+    assert Schedule(every=1).update_measured(count) is True
+
+    last = Schedule(every=1, last_only=True)
+    assert last.micro_batch_measured(MicroStep(False, True, 4.0), count) is False
+    assert last.micro_batch_measured(MicroStep(True, False, 4.0), count) is True
+    ends = tf.constant(True)
+    assert last.micro_batch_measured(MicroStep(ends, False, 4.0), count) is ends
+    count.assign(2)
+    measured = Schedule(every=2, last_only=True).micro_batch_measured(
+        MicroStep(ends, False, 4.0), count
+    )
+    assert bool(measured) is True
+    count.assign(3)
+    measured = Schedule(every=2, last_only=True).micro_batch_measured(
+        MicroStep(ends, False, 4.0), count
+    )
+    assert bool(measured) is False

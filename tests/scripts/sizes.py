@@ -22,6 +22,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PACKAGE_DIR = os.path.join(ROOT, "gradient_accumulator")
 
 
+_KEYS = {"lines": "lines", "code": "code", "docs": "docstrings", "comments": "comments"}
+_KEYS["blank"] = "blank"
+
+
 def _docstring_lines(tree):
     lines = set()
     for node in ast.walk(tree):
@@ -88,18 +92,12 @@ def main(argv=None):
     if args.json:
         print(json.dumps(sizes))
         return 0
-    header = f"{'module':22s} {'lines':>6s} {'code':>6s} {'docs':>6s} {'comments':>8s} {'blank':>6s}"
-    print(header)
+    columns = ("lines", "code", "docs", "comments", "blank")
+    print(f"{'module':22s} " + " ".join(f"{c:>8s}" for c in columns))
     for name, m in sorted(sizes["modules"].items(), key=lambda item: -item[1]["lines"]):
-        print(
-            f"{name:22s} {m['lines']:6d} {m['code']:6d} {m['docstrings']:6d} "
-            f"{m['comments']:8d} {m['blank']:6d}"
-        )
+        print(f"{name:22s} " + " ".join(f"{m[_KEYS[c]]:8d}" for c in columns))
     t = sizes["totals"]
-    print(
-        f"{'total':22s} {t['lines']:6d} {t['code']:6d} {t['docstrings']:6d} "
-        f"{t['comments']:8d} {t['blank']:6d}"
-    )
+    print(f"{'total':22s} " + " ".join(f"{t[_KEYS[c]]:8d}" for c in columns))
     print("\nclasses over 300 lines:")
     for name, size in sorted(sizes["classes"].items(), key=lambda item: -item[1]):
         if size > 300:
