@@ -15,6 +15,7 @@ from gradient_accumulator._compat import (
     functional_from_config,
     functional_from_config_keeps_arguments,
     functional_init_arguments,
+    optimizer_chain,
     output_loss_trackers,
 )
 from gradient_accumulator._v05 import REMOVED_MODEL_ARGUMENTS
@@ -301,10 +302,10 @@ class GradientAccumulateModel(keras.Model):
             self._ensure_accumulator()
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
-        check_strategy(self)
+        check_strategy(self, creation_strategy(self))
         super().compile(optimizer, *args, **kwargs)
         check_optimizer_does_not_accumulate(
-            self.optimizer, self.accum_steps, "GradientAccumulateModel"
+            optimizer_chain(self.optimizer), self.accum_steps, "GradientAccumulateModel"
         )
         replicas = self.distribute_strategy.num_replicas_in_sync
         if self.noise_scale and self.accum_steps == 1 and replicas == 1:
@@ -496,7 +497,7 @@ class GradientAccumulateModel(keras.Model):
     def make_train_function(self, force=False):
         # Variables are created here, eagerly and under the strategy scope,
         # never inside the traced step (that breaks tf.distribute).
-        check_strategy(self)
+        check_strategy(self, creation_strategy(self))
         check_train_step_not_overridden(self, GradientAccumulateModel)
         check_jit_compile(self)
         check_statistics_layers(self, self._steps.statistics_layers())

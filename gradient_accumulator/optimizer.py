@@ -203,26 +203,6 @@ def _outer_loss_scale(optimizer):
     return None
 
 
-class _PresentGradients:
-    """Hands the inner optimizer only the variables that have a gradient.
-
-    The engine keeps one fixed list of variables (the ones the optimizer was
-    built with) and passes ``None`` for those without a gradient; Keras's
-    optimizers would warn about each ``None``. A caller that passes a subset
-    of the variables to ``apply_gradients`` gets no warning in plain Keras,
-    and gets none here. The wrapped optimizer is ``inner_optimizer``, the
-    attribute through which the engine finds (and configures) the optimizer
-    chain.
-    """
-
-    def __init__(self, optimizer):
-        self.inner_optimizer = optimizer
-
-    def apply(self, grads, variables):
-        present = [(g, v) for g, v in zip(grads, variables) if g is not None]
-        self.inner_optimizer.apply([g for g, _ in present], [v for _, v in present])
-
-
 @keras.saving.register_keras_serializable(package="gradient_accumulator")
 class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     """Wraps a Keras optimizer so that it updates once every ``accum_steps`` calls.
@@ -307,7 +287,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         accum_steps = check_accum_steps_or_schedule(accum_steps)
         inner_optimizer = check_optimizer(optimizer)
         check_optimizer_does_not_accumulate(
-            inner_optimizer, accum_steps, "GradientAccumulateOptimizer"
+            optimizer_chain(inner_optimizer), accum_steps, "GradientAccumulateOptimizer"
         )
         use_agc, clip_factor, eps = check_agc_arguments(use_agc, clip_factor, eps)
         reduce_every_micro_step = check_bool("reduce_every_micro_step", reduce_every_micro_step)
@@ -355,7 +335,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 outer, self.scale_loss, self.apply, self.inner_optimizer
             )
         # The optimizer of the update (and of `scale_loss` once built).
-        self._apply_inner = _PresentGradients(scaler)
+        self._apply_inner = update.PresentGradients(scaler)
         # The base class records the variables and their order; its `use_ema`
         # reads False meanwhile (the inner optimizer holds the averages).
         self._recording_build = True

@@ -75,6 +75,26 @@ def _has_loss_scale(optimizer):
     )
 
 
+class PresentGradients:
+    """Hands the inner optimizer only the variables that have a gradient.
+
+    The accumulator keeps one fixed list of variables (the ones the optimizer was
+    built with) and passes ``None`` for those without a gradient; Keras's
+    optimizers would warn about each ``None``. A caller that passes a subset
+    of the variables to ``apply_gradients`` gets no warning in plain Keras,
+    and gets none here. The wrapped optimizer is ``inner_optimizer``, the
+    attribute through which the update finds (and configures) the optimizer
+    chain.
+    """
+
+    def __init__(self, optimizer):
+        self.inner_optimizer = optimizer
+
+    def apply(self, grads, variables):
+        present = [(g, v) for g, v in zip(grads, variables) if g is not None]
+        self.inner_optimizer.apply([g for g, _ in present], [v for _, v in present])
+
+
 def _mean(total, weight):
     """``total / weight``, 0 where ``weight`` is 0.
 
@@ -277,11 +297,14 @@ def apply_if(
 
     values = plan.values_to_reduce()
     with gradients_already_reduced(optimizer):
-        if condition is True and supports_collectives_in_conditionals():
-            # Known when traced, in the replica: reduce, then update, here.
+        if not supports_collectives_in_conditionals():
+            # MirroredStrategy on CPUs: decided and reduced in cross-replica
+            # context (`merge_call`), then back in each replica.
+            sum_across_replicas_if(condition, values, update)
+        elif condition is True:
             _update(accumulator, plan, sum_in_replica(values), optimizer, variables, noise_measured)
         else:
-            sum_across_replicas_if(condition, values, update)
+            tf.cond(condition, lambda: update(*sum_in_replica(values)), lambda: None)
 
 
 def step(accumulator, class_grads, divisors, condition, optimizer, variables, statistics=()):

@@ -7,8 +7,6 @@ import numbers
 import keras
 import tensorflow as tf
 
-from gradient_accumulator._compat import creation_strategy, optimizer_chain
-
 
 def check_positive_integer(name, value):
     """Returns ``value`` as an ``int`` or raises a ValueError naming it unless it is >= 1.
@@ -153,7 +151,7 @@ def check_noise_scale_arguments(noise_scale, smoothing, micro_batches, every, co
     return smoothing, micro_batches, every
 
 
-def check_strategy(model):
+def check_strategy(model, created_under):
     """Refuses a model created outside the strategy scope it is used in.
 
     Keras would silently train such a model on one device.
@@ -161,7 +159,6 @@ def check_strategy(model):
     if not tf.distribute.has_strategy():
         return
     current = tf.distribute.get_strategy()
-    created_under = creation_strategy(model)
     if created_under is not current:
         created = (
             "outside any strategy scope"
@@ -243,7 +240,7 @@ def refuse_double_loss_scale(received):
     )
 
 
-def check_optimizer_does_not_accumulate(optimizer, accum_steps, owner):
+def check_optimizer_does_not_accumulate(chain, accum_steps, owner):
     """Refuses an optimizer that already accumulates gradients.
 
     The one check for it, used by ``GradientAccumulateModel.compile`` and by
@@ -253,13 +250,14 @@ def check_optimizer_does_not_accumulate(optimizer, accum_steps, owner):
     ``inner_optimizer`` is looked through (``LossScaleOptimizer``).
 
     Args:
-        optimizer: The Keras optimizer about to be used.
+        chain: The Keras optimizer about to be used and every optimizer it
+            wraps (``_compat.optimizer_chain``).
         accum_steps: The ``accum_steps`` of ``owner`` (for the message).
         owner: ``"GradientAccumulateModel"`` or ``"GradientAccumulateOptimizer"``,
             which decides what the message tells the user to do.
     """
     in_model = owner == "GradientAccumulateModel"
-    for opt in optimizer_chain(optimizer):
+    for opt in chain:
         if hasattr(type(opt), "accumulation_variables"):  # a GradientAccumulateOptimizer
             fix = (
                 "compile with `optimizer.inner_optimizer` and keep `accum_steps` on the model"

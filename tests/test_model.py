@@ -1307,6 +1307,35 @@ def test_logged_token_loss_on_data_of_unknown_length_equals_the_big_batch_s():
     assert_close(reference.get_weights(), model.get_weights(), FLOAT32_ATOL)
 
 
+def test_a_group_cut_short_ends_the_outputs_logged_losses_too():
+    # Data of unknown length, 6 micro-batches: a group of 4, then one of 2
+    # that the epoch's end applies. That end corrects every loss tracker,
+    # the outputs' included (before issue 57 only the loss's): with the
+    # weights held (SGD at rate 0), each tracker then holds its groups'
+    # losses (a token mean, a sequence mean), weighted by their samples.
+    x, tags, _ = make_padded_sequences(6 * MICRO_BATCH)
+    second = np.random.default_rng(2).normal(size=(len(x), 1)).astype("float32")
+    losses = [keras.losses.SparseCategoricalCrossentropy(from_logits=True), "mse"]
+    model = build_two_heads(GradientAccumulateModel, pooled_head=True, accum_steps=4)
+    model.compile(keras.optimizers.SGD(0.0), losses)
+    data = tf.data.Dataset.from_tensor_slices((x, (tags, second))).batch(MICRO_BATCH)
+    model.fit(data.filter(lambda *_: True), epochs=1, verbose=0)
+    assert int(model._accumulator.micro_step.numpy()) == 0  # the short group applied
+    after = {key: float(value) for key, value in model.get_metrics_result().items()}
+    plain = build_two_heads(pooled_head=True)
+    plain.compile(keras.optimizers.SGD(0.0), losses)
+    groups = [slice(0, 4 * MICRO_BATCH), slice(4 * MICRO_BATCH, 6 * MICRO_BATCH)]
+    per_group = [
+        plain.evaluate(x[g], (tags[g], second[g]), batch_size=len(x), verbose=0, return_dict=True)
+        for g in groups
+    ]
+    expected = {key: (2 * per_group[0][key] + per_group[1][key]) / 3 for key in per_group[0]}
+    output_keys = [key for key in expected if key.endswith("_loss")]
+    assert len(output_keys) == 2, expected
+    for key in ["loss", *output_keys]:
+        assert abs(after[key] - expected[key]) <= 1e-5 * abs(expected[key]), (key, after)
+
+
 def test_train_on_batch_logs_each_micro_batch_and_at_the_update_the_group():
     # A call that only adds returns what plain Keras's train_on_batch returns
     # for that micro-batch (its token mean where Keras resets the metrics at
