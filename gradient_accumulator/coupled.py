@@ -43,7 +43,7 @@ from gradient_accumulator._compat import (
     seed_generator_states,
 )
 from gradient_accumulator.distribute import logs_for_keras
-from gradient_accumulator.engine import update_step_scope
+from gradient_accumulator.steps import update_step_scope
 from gradient_accumulator.weighting import weight_only_loss_count
 
 COUPLED_LOSS_SCOPES = ("replica", "global")

@@ -6,12 +6,11 @@ their persistence in weights files, and the add of each micro-step. It
 decides, once per micro-step, whether this micro-step ends the group (a
 :class:`MicroStep`); everything that must line up with the optimizer update
 reads that decision: the update (:mod:`gradient_accumulator.update`, where
-the formula is written) and layers such as ``AccumBatchNormalization``,
-through :func:`current_update_step` while the model's forward pass is traced.
+the formula is written) and, while the model's forward pass is traced,
+layers such as ``AccumBatchNormalization``
+(:func:`gradient_accumulator.steps.current_update_step`).
 """
 
-import contextlib
-import threading
 import warnings
 
 import numpy as np
@@ -21,8 +20,6 @@ from keras import ops
 from gradient_accumulator import noise_scale
 from gradient_accumulator._compat import KerasSaveable, scatter_add_in_place
 from gradient_accumulator.distribute import all_reduce_in_replica
-
-_context = threading.local()
 
 # The keys of the accumulation state in a Keras weights store (`.keras` and
 # `.weights.h5` files), beside the owner's own numbered variables.
@@ -65,31 +62,6 @@ class StateEntry(KerasSaveable):
 
     def load_own_variables(self, store):
         self._load(store)
-
-
-@contextlib.contextmanager
-def update_step_scope(is_update_step):
-    """Makes ``is_update_step`` the answer of :func:`current_update_step` inside.
-
-    Entered by the model wrapper around its forward pass, so that every layer
-    whose state follows the update boundary reads one source of truth instead
-    of keeping a counter of its own that could drift.
-    """
-    stack = _context.__dict__.setdefault("stack", [])
-    stack.append(is_update_step)
-    try:
-        yield
-    finally:
-        stack.pop()
-
-
-def current_update_step():
-    """Boolean tensor: does the micro-step being traced end its group?
-
-    ``None`` outside a :func:`update_step_scope` (a layer used on its own).
-    """
-    stack = getattr(_context, "stack", None)
-    return stack[-1] if stack else None
 
 
 def takes_maximum(variable):
@@ -565,6 +537,28 @@ class GradientAccumulator(tf.Module):
         reference = ops.where(micro.is_first, capacity * micro.group_length, stored)
         stored.assign(reference)
         return tf.stop_gradient(ops.cast(normaliser, "float32") / reference)
+
+    def weigh(self, classes, micro):
+        """Each class's objective times the micro-batch's weight: ``(objective, divisor, scale)``.
+
+        The one place a micro-batch's weight is made from what
+        :func:`~gradient_accumulator.weighting.weigh_classes` returns: a
+        class with a normaliser is multiplied by its weight :meth:`share`,
+        which is also its divisor; a sum (no normaliser) by 1, its divisor 1
+        at the group's first micro-step and 0 after; a class without terms
+        in this micro-batch has no objective and divisor 0.
+        """
+        first = ops.cast(micro.is_first, "float32")
+        weighted = []
+        for c, (objective, normaliser, capacity, scale) in enumerate(classes):
+            if objective is None:
+                weighted.append((None, ops.zeros(()), scale))
+            elif normaliser is None:
+                weighted.append((objective, first, scale))
+            else:
+                weight = self.share(normaliser, capacity, micro, normaliser_class=c)
+                weighted.append((objective * ops.cast(weight, objective.dtype), weight, scale))
+        return weighted
 
     def current_accum_steps(self):
         """Micro-steps in the current group: ``accum_steps`` or its schedule."""

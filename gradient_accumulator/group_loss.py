@@ -76,7 +76,7 @@ class GroupLoss:
             weighted: Per class, ``(a_ci, w_ci, s_c)``: ``a_ci`` ``None`` for
                 a class without loss terms in this micro-batch; ``s_c`` the
                 class's scale to the tracker's units
-                (:func:`~gradient_accumulator.weighting.weigh_classes`).
+                (:meth:`~gradient_accumulator.engine.GradientAccumulator.weigh`).
             logged_loss: Float scalar, the micro-batch's loss in the tracker's
                 units (Keras's: the replica's loss times the replicas).
             batch_size: Scalar, the micro-batch's samples.

@@ -15,7 +15,7 @@ from gradient_accumulator._moments import (
     variance_from_moments,
 )
 from gradient_accumulator.distribute import sum_across_replicas_if
-from gradient_accumulator.engine import current_update_step
+from gradient_accumulator.steps import current_update_step
 from gradient_accumulator.validation import (
     check_accum_steps,
     check_positive_float,

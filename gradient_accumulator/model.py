@@ -26,11 +26,11 @@ from gradient_accumulator.coupled import (
     check_coupled_loss,
     warn_if_loss_couples_samples,
 )
-from gradient_accumulator.engine import GradientAccumulator, StateEntry, update_step_scope
+from gradient_accumulator.engine import GradientAccumulator, StateEntry
 from gradient_accumulator.group_loss import GroupLoss
 from gradient_accumulator.runner import GroupRunner
 from gradient_accumulator.state_writes import StateWrites
-from gradient_accumulator.steps import ModelSteps
+from gradient_accumulator.steps import ModelSteps, update_step_scope
 from gradient_accumulator.validation import (
     check_accum_steps,
     check_agc_arguments,

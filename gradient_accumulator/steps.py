@@ -19,6 +19,9 @@ A micro-step's way to the optimizer: the forward pass and the loss
 the group's end, the update.
 """
 
+import contextlib
+import threading
+
 import keras
 import tensorflow as tf
 from keras import ops
@@ -33,7 +36,6 @@ from gradient_accumulator._compat import (
     sublayers,
 )
 from gradient_accumulator.distribute import logs_for_keras
-from gradient_accumulator.engine import update_step_scope
 from gradient_accumulator.group_loss import tracker_state
 from gradient_accumulator.weighting import (
     SUM,
@@ -43,6 +45,33 @@ from gradient_accumulator.weighting import (
     weigh_classes,
     weight_only_loss_count,
 )
+
+_context = threading.local()
+
+
+@contextlib.contextmanager
+def update_step_scope(is_update_step):
+    """Makes ``is_update_step`` the answer of :func:`current_update_step` inside.
+
+    Entered by the model wrapper around its forward pass, so that every layer
+    whose state follows the update boundary reads one source of truth instead
+    of keeping a counter of its own that could drift.
+    """
+    stack = _context.__dict__.setdefault("stack", [])
+    stack.append(is_update_step)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def current_update_step():
+    """Boolean tensor: does the micro-step being traced end its group?
+
+    ``None`` outside a :func:`update_step_scope` (a layer used on its own).
+    """
+    stack = getattr(_context, "stack", None)
+    return stack[-1] if stack else None
 
 
 def _batch_size(x, y):
@@ -123,7 +152,10 @@ class ModelSteps:
             tf.GradientTape(persistent=accumulator.num_classes > 1) as tape,
         ):
             y_pred, micro_loss = self.forward(x, y, sample_weight, micro.is_first)
-            weighted = weigh_classes(micro_loss, plan, accumulator, micro, tape, model.name)
+            classes = weigh_classes(
+                micro_loss, plan, accumulator.num_classes, micro.is_first, tape, model.name
+            )
+            weighted = accumulator.weigh(classes, micro)
             objectives = [
                 None if objective is None else model.optimizer.scale_loss(objective)
                 for objective, _, _ in weighted

@@ -146,56 +146,57 @@ class MicroBatchLoss:
         return self._partition
 
 
-def weigh_classes(micro_loss, plan, accumulator, micro, tape, owner):
-    """Per normaliser class: ``(objective, divisor, log scale)`` of this micro-step.
+def weigh_classes(micro_loss, plan, num_classes, is_first, tape, owner):
+    """Per normaliser class: ``(objective, normaliser, capacity, log scale)`` of this micro-step.
 
-    Class ``c``'s objective is its part of the loss (:func:`class_data_objectives`)
-    times its share ``N_ci / (C_c1 * K)``, or times 1 for a sum; its divisor
-    is that share (a sum: 1 once per group, and its weight regularizers
-    counted once per group, as the big batch counts them). One class is the
-    one-entry case: its objective is the weighted loss. The log scale is what
-    the class's ``objective / divisor`` is multiplied by to be in the training
-    loss's units (a sum's objective is the replica's own sum, which the
-    training loss of Keras < 3.8 divides by the replicas here), for
+    Pure: what the engine needs to weigh each class
+    (:meth:`~gradient_accumulator.engine.GradientAccumulator.weigh`, which
+    multiplies class ``c``'s objective by its weight ``N_ci / (C_c1 * K)``).
+    Class ``c``'s objective is its part of the loss
+    (:func:`class_data_objectives`), ``N_ci`` its normaliser and ``C_ci`` its
+    capacity (:func:`loss_term`). A sum has no normaliser (``None``): its
+    objective is the replica's own sum, weight 1, and its weight
+    regularizers are counted once per group (at ``is_first``), as the big
+    batch counts them. The log scale is what the class's ``objective /
+    divisor`` is multiplied by to be in the training loss's units (a sum's
+    objective is the replica's own sum, which the training loss of
+    Keras < 3.8 divides by the replicas here), for
     :class:`~gradient_accumulator.group_loss.GroupLoss`.
 
     A trace whose classes are not ``plan``'s (a loss with ``reduction=None``;
     terms of different normalisers that no class discovery separated) is
     weighted by one rule, with a warning that says which (:func:`_one_sum_rule`):
-    its objective goes to the first class, the others' are ``None`` with
-    divisor 0.
+    its objective goes to the first class, the others' are ``None``.
 
     Args:
         micro_loss: The :class:`MicroBatchLoss`.
         plan: The :class:`ClassPlan` the accumulator was configured with.
-        accumulator: The :class:`~gradient_accumulator.engine.GradientAccumulator`.
-        micro: The micro-step's :class:`~gradient_accumulator.engine.MicroStep`.
+        num_classes: Integer, the accumulator's classes.
+        is_first: Boolean scalar, whether the micro-step starts its group.
         tape: The persistent ``GradientTape`` recording the loss if ``plan``
             has several classes (unused with one).
         owner: String naming the model, for warnings.
     """
     terms, found = micro_loss.partition()
-    if not plan.holds(found) or plan.num_classes != accumulator.num_classes:
+    if not plan.holds(found) or plan.num_classes != num_classes:
         found = _one_sum_rule(terms, micro_loss, owner)
     loss = micro_loss.loss
     objectives = class_data_objectives(micro_loss, found, tape)
-    first = ops.cast(micro.is_first, "float32")
-    weighted = []
+    classes = []
     for c, ((positions, kind), objective) in enumerate(zip(found.partition, objectives)):
         if kind == SUM:
             summed = _sum_scale() * objective
             if c == found.extras_class and micro_loss.additional_losses:
                 # The weight regularizers once per group, as the big batch counts them.
                 extra = _additional_total(micro_loss.additional_losses, loss.dtype)
-                summed = _sum_scale() * (objective - extra) + ops.cast(first, loss.dtype) * extra
-            weighted.append((summed, first, 1.0 / _sum_scale()))
+                first = ops.cast(is_first, loss.dtype)
+                summed = _sum_scale() * (objective - extra) + first * extra
+            classes.append((summed, None, None, 1.0 / _sum_scale()))
             continue
         term = None if kind == SAMPLES else terms[positions[0]]
         normaliser, capacity = _normaliser_and_capacity(term, micro_loss.batch_size)
-        weight = accumulator.share(normaliser, capacity, micro, normaliser_class=c)
-        weighted.append((objective * ops.cast(weight, objective.dtype), weight, 1.0))
-    missing = accumulator.num_classes - len(weighted)
-    return weighted + [(None, ops.zeros(()), 1.0)] * missing
+        classes.append((objective, normaliser, capacity, 1.0))
+    return classes + [(None, None, None, 1.0)] * (num_classes - len(classes))
 
 
 def _one_sum_rule(terms, micro_loss, owner):

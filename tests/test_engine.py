@@ -580,3 +580,28 @@ def test_a_group_saved_mid_way_and_restored_ends_as_the_uninterrupted_one():
         runs[interrupted] = variables[0].numpy()
     np.testing.assert_array_equal(runs[True], runs[False])
     np.testing.assert_allclose(runs[False], -sum(g[0] for g in grads) / 3.0, rtol=1e-6)
+
+
+def test_weigh_makes_each_class_s_weight_in_one_place():
+    # weighting.weigh_classes gives each class's objective with its
+    # normaliser and capacity (pure); the accumulator turns them into the
+    # micro-batch's weight N_i / (C_1 * K): a mean class's objective times
+    # it, its divisor it; a sum (no normaliser) weight 1, divisor 1 at the
+    # group's first micro-step and 0 after; a class without terms, divisor 0.
+    variables = [tf.Variable([0.0, 0.0])]
+    accumulator = GradientAccumulator(2, variables)
+    accumulator.configure_classes([(0, 1, 2)], variables)
+    classes = [
+        (tf.constant(2.0), tf.constant(3.0), tf.constant(4.0), 1.0),
+        (tf.constant(5.0), None, None, 0.5),
+        (None, None, None, 1.0),
+    ]
+    first = accumulator.weigh(classes, accumulator.micro_step_at(0, 2))
+    # C_1 * K = 4 * 2 = 8: the weight is 3 / 8.
+    assert [float(d) for _, d, _ in first] == [3 / 8, 1.0, 0.0]
+    assert float(first[0][0]) == 2.0 * 3 / 8 and float(first[1][0]) == 5.0
+    assert first[2][0] is None and [s for _, _, s in first] == [1.0, 0.5, 1.0]
+    second_classes = [(tf.constant(2.0), tf.constant(2.0), tf.constant(4.0), 1.0), *classes[1:]]
+    second = accumulator.weigh(second_classes, accumulator.micro_step_at(1, 2))
+    # The group's reference stays the first micro-batch's: 2 / 8.
+    assert [float(d) for _, d, _ in second] == [2 / 8, 0.0, 0.0]

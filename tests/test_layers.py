@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from gradient_accumulator import engine
+from gradient_accumulator import steps
 from gradient_accumulator.layers import AccumBatchNormalization
 from tests.helpers import MEASURED, assert_close, run_script_module, script_results
 
@@ -281,7 +281,7 @@ def test_fully_masked_micro_batch_changes_nothing():
     runs = []
     for with_empty in (False, True):
         layer, _ = _built_pair((None, 4, 4), 2)
-        with engine.update_step_scope(tf.constant(False)):
+        with steps.update_step_scope(tf.constant(False)):
             if with_empty:
                 layer(x[:2], mask=empty, training=True)
             layer(x, training=True)
@@ -330,7 +330,7 @@ def test_inside_an_update_step_scope_only_the_caller_applies(mode):
 
     def micro_step(x, is_update_step):
         # What GradientAccumulateModel.train_step does.
-        with engine.update_step_scope(is_update_step):
+        with steps.update_step_scope(is_update_step):
             accum(x, training=True)
         accum.apply_pending_statistics(is_update_step)
 
@@ -354,7 +354,7 @@ def test_inside_an_update_step_scope_only_the_caller_applies(mode):
 def test_apply_pending_statistics_semantics():
     batches = _micro_batches([(-1.0, 1.0, 6), (2.0, 3.0, 4)])
     accum, plain = _built_pair((None, 4), 4, momentum=0.5)
-    with engine.update_step_scope(tf.constant(False)):
+    with steps.update_step_scope(tf.constant(False)):
         for x in batches:
             accum(x, training=True)
     before = accum.get_weights()
@@ -371,7 +371,7 @@ def test_apply_pending_statistics_semantics():
 def test_shared_layer_pools_both_calls_of_a_step():
     a, b = _micro_batches([(-2.0, 1.0, 5), (3.0, 2.0, 7)])
     accum, plain = _built_pair((None, 4), 2, momentum=0.0)
-    with engine.update_step_scope(tf.constant(True)):
+    with steps.update_step_scope(tf.constant(True)):
         accum(a, training=True)
         accum(b, training=True)
     accum.apply_pending_statistics(tf.constant(True))
