@@ -64,6 +64,60 @@ class StateEntry(KerasSaveable):
         self._load(store)
 
 
+def save_state(accumulator, store):
+    """Writes ``accumulator``'s state into a Keras weights ``store`` (keys ``accumulator_<i>``).
+
+    And the normaliser classes' routing (key :data:`CLASSES_KEY`).
+    """
+    for i, variable in enumerate(accumulator.state_variables):
+        store[f"{STATE_KEY_PREFIX}{i}"] = variable.numpy()
+    routing = accumulator.routing
+    width = max((len(classes) for classes in routing), default=0)
+    store[CLASSES_KEY] = np.array(
+        [list(classes) + [-1] * (width - len(classes)) for classes in routing], "int32"
+    ).reshape(len(routing), width)
+
+
+def load_state(accumulator, store, owner, variables=None):
+    """Restores ``accumulator``'s state from a Keras weights ``store`` (of :func:`save_state`).
+
+    Does nothing if ``store`` holds no state; warns, and starts a new
+    group, if it holds state for another set of variables. A store with
+    normaliser classes configures them first (``configure_classes``,
+    which creates variables: call it eagerly, under the strategy scope).
+
+    Args:
+        store: The mapping Keras hands ``load_own_variables``.
+        owner: String naming the model or optimizer, for the warning.
+        variables: The accumulator's trainable variables; needed only to
+            configure classes.
+    """
+    saved = [key for key in store.keys() if key.startswith(STATE_KEY_PREFIX) and key != CLASSES_KEY]
+    if not saved:
+        return
+    if CLASSES_KEY in store.keys() and variables is not None and accumulator.matches(variables):
+        routing = [[int(c) for c in row if c >= 0] for row in np.asarray(store[CLASSES_KEY])]
+        accumulator.configure_classes(routing, variables)
+    state = accumulator.state_variables
+    saved_shapes = [tuple(np.shape(store[f"{STATE_KEY_PREFIX}{i}"])) for i in range(len(saved))]
+    shapes = [tuple(variable.shape) for variable in state]
+    if saved_shapes != shapes:
+        # The weights that the file holds do not fit either (Keras says so
+        # for the layer that differs): the sums are another model's.
+        warnings.warn(
+            f"Not restoring the accumulation state of {owner}: the file holds "
+            f"{len(saved)} accumulation variables of other shapes than its "
+            f"{len(state)}. Training starts a new accumulation group.",
+            stacklevel=3,
+        )
+        accumulator.empty_group()
+        return
+    for i, variable in enumerate(state):
+        # An array: Keras < 3.14's weight files hand out h5py datasets,
+        # which TensorFlow variables cannot take under tf.distribute.
+        variable.assign(np.asarray(store[f"{STATE_KEY_PREFIX}{i}"]))
+
+
 def takes_maximum(variable):
     """Whether ``variable`` takes its group's maximum gradient, not the mean.
 
@@ -394,60 +448,6 @@ class GradientAccumulator(tf.Module):
 
     def all_sums(self):
         return [*self.gradient_sums, *self.class_gradient_sums]
-
-    def save_state(self, store):
-        """Writes the state into a Keras weights ``store`` (keys ``accumulator_<i>``).
-
-        And the normaliser classes' routing (key :data:`CLASSES_KEY`).
-        """
-        for i, variable in enumerate(self.state_variables):
-            store[f"{STATE_KEY_PREFIX}{i}"] = variable.numpy()
-        routing = self._classes.routing
-        width = max((len(classes) for classes in routing), default=0)
-        store[CLASSES_KEY] = np.array(
-            [list(classes) + [-1] * (width - len(classes)) for classes in routing], "int32"
-        ).reshape(len(routing), width)
-
-    def load_state(self, store, owner, variables=None):
-        """Restores the state from a Keras weights ``store`` written by :meth:`save_state`.
-
-        Does nothing if ``store`` holds no state; warns, and starts a new
-        group, if it holds state for another set of variables. A store with
-        normaliser classes configures them first (:meth:`configure_classes`,
-        which creates variables: call it eagerly, under the strategy scope).
-
-        Args:
-            store: The mapping Keras hands ``load_own_variables``.
-            owner: String naming the model or optimizer, for the warning.
-            variables: The accumulator's trainable variables; needed only to
-                configure classes.
-        """
-        saved = [
-            key for key in store.keys() if key.startswith(STATE_KEY_PREFIX) and key != CLASSES_KEY
-        ]
-        if not saved:
-            return
-        if CLASSES_KEY in store.keys() and variables is not None and self.matches(variables):
-            routing = [[int(c) for c in row if c >= 0] for row in np.asarray(store[CLASSES_KEY])]
-            self.configure_classes(routing, variables)
-        state = self.state_variables
-        saved_shapes = [tuple(np.shape(store[f"{STATE_KEY_PREFIX}{i}"])) for i in range(len(saved))]
-        shapes = [tuple(variable.shape) for variable in state]
-        if saved_shapes != shapes:
-            # The weights that the file holds do not fit either (Keras says so
-            # for the layer that differs): the sums are another model's.
-            warnings.warn(
-                f"Not restoring the accumulation state of {owner}: the file holds "
-                f"{len(saved)} accumulation variables of other shapes than its "
-                f"{len(state)}. Training starts a new accumulation group.",
-                stacklevel=3,
-            )
-            self.empty_group()
-            return
-        for i, variable in enumerate(state):
-            # An array: Keras < 3.14's weight files hand out h5py datasets,
-            # which TensorFlow variables cannot take under tf.distribute.
-            variable.assign(np.asarray(store[f"{STATE_KEY_PREFIX}{i}"]))
 
     def empty_group(self):
         """Empties the group eagerly: no micro-step pending (``update_count`` is kept).

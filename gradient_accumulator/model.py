@@ -26,7 +26,7 @@ from gradient_accumulator.coupled import (
     check_coupled_loss,
     warn_if_loss_couples_samples,
 )
-from gradient_accumulator.engine import GradientAccumulator, StateEntry
+from gradient_accumulator.engine import GradientAccumulator, StateEntry, load_state, save_state
 from gradient_accumulator.group_loss import GroupLoss
 from gradient_accumulator.runner import GroupRunner
 from gradient_accumulator.state_writes import StateWrites
@@ -566,7 +566,7 @@ class GradientAccumulateModel(keras.Model):
         # Only a pending group has state to keep: without one the entry is
         # empty, as in a plain model's file (always so at accum_steps=1).
         if self._accumulator is not None and int(self._accumulator.micro_step.numpy()) > 0:
-            self._accumulator.save_state(store)
+            save_state(self._accumulator, store)
 
     def _load_accumulation_state(self, store):
         # A file holds the weights of one moment: with its group's state, or
@@ -574,8 +574,8 @@ class GradientAccumulateModel(keras.Model):
         self._ensure_accumulator()
         with self.distribute_strategy.scope():
             self._accumulator.empty_group()
-            self._accumulator.load_state(
-                store, f"model '{self.name}'", variables=self.trainable_variables
+            load_state(
+                self._accumulator, store, f"model '{self.name}'", variables=self.trainable_variables
             )
         self._runner.forget_update_count()
 

@@ -22,7 +22,7 @@ from gradient_accumulator._compat import (
 )
 from gradient_accumulator._v05 import REMOVED_OPTIMIZER_ARGUMENTS
 from gradient_accumulator.agc import agc_transform
-from gradient_accumulator.engine import GradientAccumulator, without_state
+from gradient_accumulator.engine import GradientAccumulator, load_state, save_state, without_state
 from gradient_accumulator.validation import (
     check_accum_steps_or_schedule,
     check_agc_arguments,
@@ -526,13 +526,13 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """Saves ``variables`` as Keras does, then the accumulation state."""
         super().save_own_variables(store)
         if self._accumulator is not None:
-            self._accumulator.save_state(store)
+            save_state(self._accumulator, store)
 
     def load_own_variables(self, store):
         """Restores what :meth:`save_own_variables` saved (the state, if built)."""
         super().load_own_variables(without_state(store))
         if self._accumulator is not None:
-            self._accumulator.load_state(store, f"optimizer '{self.name}'")
+            load_state(self._accumulator, store, f"optimizer '{self.name}'")
 
     def scale_loss(self, loss, normaliser=None, capacity=None):
         """Returns ``loss`` weighted by this micro-batch's share of its group, then scaled.

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOptimizer, update
-from gradient_accumulator.engine import GradientAccumulator
+from gradient_accumulator.engine import GradientAccumulator, load_state, save_state
 from tests.helpers import (
     FLOAT8_KERNEL_RTOL,
     FLOAT8_STATE_RTOL,
@@ -313,12 +313,12 @@ def test_a_state_saved_without_the_classes_routing_loads_as_one_class():
     values = [np.full((3, 4), 2.0, "float32"), np.full((4,), 3.0, "float32")]
     saved = _accumulator_with_sums(values)
     store = {}
-    saved.save_state(store)
+    save_state(saved, store)
     assert "accumulator_classes" in store
     del store["accumulator_classes"]
     variables = [keras.Variable(np.zeros_like(v)) for v in values]
     loaded = GradientAccumulator(2, variables)
-    loaded.load_state(store, "model", variables)
+    load_state(loaded, store, "model", variables)
     assert loaded.num_classes == 1
     assert int(loaded.micro_step.numpy()) == 1
     for acc, value in zip(loaded.gradient_sums, values):
@@ -571,9 +571,9 @@ def test_a_group_saved_mid_way_and_restored_ends_as_the_uninterrupted_one():
         step(grads[1], tf.constant(False))
         if interrupted:
             store = {}
-            accumulator.save_state(store)
+            save_state(accumulator, store)
             accumulator = GradientAccumulator(3, variables)
-            accumulator.load_state(store, "model", variables)
+            load_state(accumulator, store, "model", variables)
             assert int(accumulator.micro_step.numpy()) == 2
             step = _step_function(accumulator, variables, optimizer)
         step(grads[2], tf.constant(True))
