@@ -15,10 +15,12 @@ compared as medians over rounds.
   hold within a few hundredths.
 - ``memory``: per setup, the library's own peak (``library k x b``), as the
   process's RSS and as TensorFlow's allocator's (``peak_mb``,
-  ``tf_peak_mb``), in MiB. Not its peak above plain batch ``b``'s: plain
-  Keras's peak, the same code in both trees, moves by tens of MiB from one
-  process to the next (TensorFlow's allocator: 464.0 and 416.8 MiB for
-  plain ``b`` of the MLP in two runs), the library's did not (448.5 both).
+  ``tf_peak_mb``), in MiB: not its peak above plain batch ``b``'s, which
+  adds plain Keras's own variation. TensorFlow's allocator's peak moves by
+  a buffer or two from one fresh process to the next, in either tree (the
+  MLP's library peak, graph mode: 448.5, 480.5 or 512.0 MiB; plain ``k*b``
+  401.8 to 480.8), so compare its medians over several rounds; the RSS moved
+  by under 3 MiB.
 
 Run: ``python -m benchmarks.compare_trees --base /tmp/base`` (``--benchmark
 memory``; ``--rounds 4``; the benchmark's own options after ``--``, e.g.
