@@ -37,20 +37,14 @@ def without_state(store):
 class StateEntry(KerasSaveable):
     """The accumulation state's own entry in Keras weights files (``.keras``, ``.weights.h5``).
 
-    Keras's saving writes an attribute of a model that holds one at the
-    attribute's path, after the model's layers, and reads it back on
-    loading. The plain Keras model of the same graph has no such attribute:
-    it loads the file and never reads the entry, and a file that it saved has
-    no entry, which the owner's ``load`` receives as an empty store.
-
-    Args:
-        save: Callable ``(store) -> None`` writing the state.
-        load: Callable ``(store) -> None`` restoring it (``store`` may be empty).
+    Keras saves a model's attribute that holds one at the attribute's path,
+    after the layers. The plain Keras model of the same graph never reads the
+    entry; a file it saved has none, which ``load`` receives as an empty store.
+    ``save`` and ``load`` are callables ``(store) -> None``, not the owner:
+    Keras walks a saveable's attributes, and would walk the owner again.
     """
 
     def __init__(self, save, load):
-        # Callables, not the owner: Keras walks a saveable's attributes, and
-        # one holding its owner would walk the owner again.
         self._save = save
         self._load = load
 
@@ -121,14 +115,12 @@ def load_state(accumulator, store, owner, variables=None):
 def takes_maximum(variable):
     """Whether ``variable`` takes its group's maximum gradient, not the mean.
 
-    Keras's ``overwrite_with_gradient`` variables (the scales and amax
-    histories of float8 layers, ``model.quantize("float8")``) receive their
-    new value as their "gradient", and the optimizer assigns it. A float8
-    layer's new amax history is the old one with the micro-batch's largest
-    magnitude in front, and its new scale depends on the old state only: the
-    elementwise maximum over a group's micro-batches is the big batch's value
-    exactly, where a sum or a mean is not. (Keras's own
-    ``gradient_accumulation_steps`` keeps the maximum too.)
+    Keras's ``overwrite_with_gradient`` variables (float8 layers' scales and
+    amax histories) receive their new value as their "gradient", which the
+    optimizer assigns. The new amax history is the old one with the
+    micro-batch's largest magnitude in front, the new scale depends on the old
+    state only: the maximum over the micro-batches is the big batch's value
+    exactly, a mean is not (Keras's ``gradient_accumulation_steps`` agrees).
     """
     return bool(getattr(variable, "overwrite_with_gradient", False))
 
@@ -187,9 +179,6 @@ def _add_in_place(acc, grad):
 class _ClassLayout:
     """Where each normaliser class's gradients are summed (plain Python, not tracked).
 
-    One class (every variable reached by class 0 only) is the layout of a
-    loss with one normaliser.
-
     Attributes:
         routing: Tuple, per variable, of the classes whose gradient reaches it.
         slots: List, per variable, of ``(class, sum variable)``: the first
@@ -213,10 +202,9 @@ class _ClassLayout:
 def _sum_aggregation(variable):
     """How a sum reads outside the replicas (saving): the total, or one replica's maximum.
 
-    A checkpoint holds one value per variable, and TensorFlow aggregates
-    replica-local variables by sum or mean only: a sum of maxima saved inside
-    a group under several replicas keeps the first replica's maximum (which
-    every replica takes on restoring).
+    TensorFlow aggregates replica-local variables by sum or mean only: a sum of
+    maxima saved inside a group keeps the first replica's (every replica's on
+    restoring).
     """
     if takes_maximum(variable):
         return tf.VariableAggregation.ONLY_FIRST_REPLICA
@@ -231,22 +219,18 @@ def _sum_name(variable):
 class GradientAccumulator(tf.Module):
     """Float32 gradient sums of one accumulation group and its update boundary.
 
-    Each micro-step adds ``w_i * g_i`` (the gradient of its weighted loss)
-    and ``w_i`` (its share of the group, :meth:`share`) in place, one
-    ``assign_add`` per variable; a variable marked ``overwrite_with_gradient``
-    (float8 state, :func:`takes_maximum`) keeps ``max_i(g_i)``. The update
+    Each micro-step adds into the sums in place (:meth:`add`); the update
     that divides them is :mod:`gradient_accumulator.update`, where the
-    formula is written.
-
-    A group ends after ``accum_steps`` micro-steps, or earlier when
+    formula is written. A group ends after ``accum_steps`` micro-steps, or earlier when
     ``steps_to_boundary`` (set by the caller, e.g. to the micro-steps left in
     the epoch) reaches zero.
 
     State (replica-local variables created at construction, float32 sums
     whatever the compute dtype):
 
-    - ``gradient_sums[j]``: ``sum_i(w_i * g_ij)`` for trainable variable ``j``;
-      ``max_i(g_ij)`` for one marked ``overwrite_with_gradient``.
+    - ``gradient_sums[j]``: ``sum_i(w_i * g_ij)`` for trainable variable ``j``
+      (``w_i`` the micro-batch's :meth:`share`); ``max_i(g_ij)`` for one
+      marked ``overwrite_with_gradient`` (:func:`takes_maximum`).
     - ``weight_sum``: ``sum_i(w_i)``, the divisor of the mean.
     - ``group_reference``: ``C_1 * K``, set at the group's first micro-step.
     - ``micro_step``: micro-steps accumulated in the current group.
@@ -269,11 +253,10 @@ class GradientAccumulator(tf.Module):
             applied to the group's mean gradient before the optimizer sees it
             (e.g. adaptive gradient clipping). ``None`` entries stay ``None``.
         reduce_every_micro_step: Boolean. ``False`` (the default): the sums
-            are replica-local and cross replicas once, at the update.
-            ``True``: every micro-step's gradient is all-reduced before it is
-            added (what plain data-parallel training does each step), so the
-            sums are global between updates; ``accum_steps`` times the
-            communication, for whoever wants replicas' sums in step.
+            are replica-local and cross replicas once, at the update. ``True``:
+            each micro-step's gradient is all-reduced before it is added, so
+            the sums are global between updates (``accum_steps`` times the
+            communication).
         track_gradient_norm: Boolean, keep each update's mean gradient's
             norm in ``gradient_norm``.
         noise_scale_decay: ``None``, or the noise scale's moving averages'
@@ -374,16 +357,13 @@ class GradientAccumulator(tf.Module):
     def configure_classes(self, routing, variables):
         """Gives every normaliser class its own divisor, and its own sums where needed.
 
-        A group's mean gradient is ``sum_c G_c / W_c``: class ``c``'s
-        gradients (its loss terms, each weighted by its normaliser's share)
-        are summed in ``G_c`` and its shares in ``W_c``. A variable that the
-        gradients of one class only reach (a head's) keeps its one sum in
-        ``gradient_sums``; one reached by several classes (the shared trunk)
-        gets one more sum per further class, in ``class_gradient_sums``.
-
-        Creates variables: call eagerly, under the strategy scope, never
-        inside a traced step. A routing of one class restores the one-class
-        layout (the extra variables are dropped).
+        Class ``c``'s weighted gradients are summed in ``G_c``, its shares in
+        ``W_c`` (the mean: :mod:`gradient_accumulator.update`). A variable
+        reached by one class (a head's) keeps its one sum in ``gradient_sums``;
+        one reached by several (the shared trunk) gets one more per further
+        class, in ``class_gradient_sums``. Creates variables: call eagerly,
+        under the strategy scope. A routing of one class restores the
+        one-class layout (the extra variables are dropped).
 
         Args:
             routing: Sequence, per variable in the order of ``variables``, of
@@ -412,16 +392,12 @@ class GradientAccumulator(tf.Module):
             ]
             extra, slots = [], []
             for variable, primary, classes in zip(variables, self.gradient_sums, routing):
-                entries = []
-                for k, c in enumerate(classes):
-                    if k == 0:
-                        entries.append((c, primary))
-                        continue
+                entries = [(c, primary) for c in classes[:1]]
+                for c in classes[1:]:
                     name = _sum_name(variable).replace("_accumulator", f"_class_{c}_accumulator")
                     aggregation = _sum_aggregation(variable)
-                    acc = replica_local(0, variable.shape, "float32", name, aggregation)
-                    extra.append(acc)
-                    entries.append((c, acc))
+                    extra.append(replica_local(0, variable.shape, "float32", name, aggregation))
+                    entries.append((c, extra[-1]))
                 slots.append(entries)
         self._set_class_state("class_weight_sums", weight_sums)
         self._set_class_state("class_group_references", references)
@@ -450,11 +426,7 @@ class GradientAccumulator(tf.Module):
         return [*self.gradient_sums, *self.class_gradient_sums]
 
     def empty_group(self):
-        """Empties the group eagerly: no micro-step pending (``update_count`` is kept).
-
-        What loading a weights file without accumulation state means: the
-        file's weights with no group pending.
-        """
+        """Empties the group eagerly, keeping ``update_count`` (a file without the state loaded)."""
         for acc in self.all_sums():
             acc.assign(tf.zeros(acc.shape, acc.dtype))
         for total in self.weight_sums():
@@ -568,23 +540,20 @@ class GradientAccumulator(tf.Module):
         return self.accum_steps
 
     def add_group_gradients(self, grads, variables):
-        """Adds gradients that belong to the group as a whole to the sums (replica context).
+        """Adds gradients of the group as a whole to the sums, once: no divisor, no micro-step.
 
-        A coupled loss's own dependence on the weights, with the outputs
-        held fixed (a tower that ``compute_loss`` runs, the regularizers):
-        part of the group's gradient, added once, without a divisor or a
-        micro-step. One normaliser class (a coupled loss has one).
-
-        Args:
-            grads: One gradient (or ``None``) per entry of ``variables``.
-            variables: The trainable variables the sums were made for.
+        A coupled loss's own dependence on the weights with the outputs held
+        fixed (a tower that ``compute_loss`` runs, the regularizers); one
+        normaliser class. ``grads``: one gradient (or ``None``) per entry of
+        ``variables``, the trainable variables. Call in replica context.
 
         Returns:
-            The indices of the sums that received a gradient (for
-            :meth:`apply_if`'s ``present``).
+            The indices of the sums that received a gradient (``present`` of
+            :func:`~gradient_accumulator.update.apply_if`).
         """
-        slot_grads = [grads[i] for i, _, _ in self.slots()]
-        for (i, _, _), grad in zip(self.slots(), slot_grads):
+        slots = self.slots()
+        slot_grads = [grads[i] for i, _, _ in slots]
+        for (i, _, _), grad in zip(slots, slot_grads):
             if grad is not None and self.takes_maximum[i]:
                 raise ValueError(
                     f"Variable '{variables[i].path}' holds float8 state (a scale or an "
@@ -595,7 +564,7 @@ class GradientAccumulator(tf.Module):
                 )
         if self.reduce_every_micro_step:
             slot_grads, _ = all_reduce_in_replica(slot_grads, [], [False] * len(slot_grads))
-        for (_, _, acc), grad in zip(self.slots(), slot_grads):
+        for (_, _, acc), grad in zip(slots, slot_grads):
             if grad is not None:
                 _add_in_place(acc, grad)
         return [k for k, grad in enumerate(slot_grads) if grad is not None]

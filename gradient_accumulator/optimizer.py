@@ -385,7 +385,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if self._accumulator is None:
             return
         variables = optimizer_variables_in_build_order(self)
-        update.apply_pending(self._accumulator, self._apply_inner, variables)
+        pending = ops.greater(self._accumulator.micro_step, 0)
+        update.apply_if(self._accumulator, pending, self._apply_inner, variables)
 
     def apply_gradients(self, grads_and_vars):
         """Accumulates one micro-step's gradients; on an update step, applies the group's mean.

@@ -68,23 +68,13 @@ REDUCED_ONCE_PER_UPDATE = "reduced once per update"
 REDUCED_EVERY_MICRO_STEP = "reduced every micro-step"
 
 
-def _has_loss_scale(optimizer):
-    """Whether a ``LossScaleOptimizer`` (it skips non-finite updates) is in the chain."""
-    return any(
-        isinstance(opt, keras.optimizers.LossScaleOptimizer) for opt in optimizer_chain(optimizer)
-    )
-
-
 class PresentGradients:
-    """Hands the inner optimizer only the variables that have a gradient.
+    """Hands ``inner_optimizer`` only the variables that have a gradient.
 
-    The accumulator keeps one fixed list of variables (the ones the optimizer was
-    built with) and passes ``None`` for those without a gradient; Keras's
-    optimizers would warn about each ``None``. A caller that passes a subset
-    of the variables to ``apply_gradients`` gets no warning in plain Keras,
-    and gets none here. The wrapped optimizer is ``inner_optimizer``, the
-    attribute through which the update finds (and configures) the optimizer
-    chain.
+    The accumulator passes ``None`` for the variables (of its fixed list)
+    without one, on each of which Keras's optimizers would warn; plain Keras
+    does not warn of a subset. The update finds the optimizer chain through
+    ``inner_optimizer``.
     """
 
     def __init__(self, optimizer):
@@ -96,12 +86,7 @@ class PresentGradients:
 
 
 def _mean(total, weight):
-    """``total / weight``, 0 where ``weight`` is 0.
-
-    A group whose normaliser is 0 (a masked loss with no valid token in any
-    of its micro-batches) has a zero sum: its gradient is 0, as Keras's loss
-    of such a batch is, not 0 / 0.
-    """
+    """``total / weight``; 0 (as Keras's loss) where a group's normaliser is 0 (no valid token)."""
     return tf.math.divide_no_nan(total, ops.cast(weight, total.dtype))
 
 
@@ -166,31 +151,19 @@ class _UpdatePlan:
 
 
 def _group_means(plan, sums, weights, count):
-    """Per variable, ``sum_c G_c / W_c`` over its classes; ``None`` where no sum is present.
+    """Per variable, ``sum_c G_c / W_c`` (``max_c G_c`` for maxima); ``None`` where no sum.
 
-    A variable that takes its group's maximum gets ``max_c G_c``: its sums
-    hold maxima, which are not divided.
+    Where every divisor is exactly 1 (equal micro-batches counted by samples,
+    the group as planned), the sums already are the means to the bit: the
+    division is skipped (one conditional per update, saving a read and a
+    write of every sum). The means are made one variable after the other,
+    so that one mean's temporary is alive at a time; where the sums are this
+    replica's accumulators (not :data:`REDUCED_ONCE_PER_UPDATE`), each mean
+    is written into its variable's first sum (which takes the new buffer)
+    and the optimizer reads it there.
 
-    Where every divisor is exactly 1 (each micro-batch weighed by its share
-    of the group, and the group as planned: equal micro-batches counted by
-    samples, ``accum_steps`` of them), the sums already are the means, and
-    dividing them would give the same bits: the division is skipped (one
-    conditional per update), which saves a read and a write of every sum.
-
-    One variable after the other (each waits for the previous one's), so
-    that one mean's temporary is alive at a time beside the optimizer's.
-    Where the sums are this replica's accumulators themselves (one replica,
-    or sums reduced at every micro-step), each mean is written into its
-    variable's first sum, which takes the new buffer and frees its own, and
-    the optimizer reads it from there: the means then cost one variable's
-    buffer at a time, not the size of every gradient (the sums are emptied
-    after the update anyway). Elsewhere ``sums`` are the all-reduced tensors.
-
-    Args:
-        plan: The update's :class:`_UpdatePlan`.
-        sums: One tensor per entry of ``plan.slots`` (the reduced sums).
-        weights: Per class, the group's divisor.
-        count: The number of variables.
+    ``sums``: one tensor per entry of ``plan.slots``; ``weights``: per
+    class, the group's divisor; ``count``: the number of variables.
     """
     in_place = plan.case != REDUCED_ONCE_PER_UPDATE
     terms = {}
@@ -262,11 +235,9 @@ def apply_if(
 ):
     """Hands the group's mean gradient to ``optimizer`` if ``condition``, then empties the group.
 
-    Call in replica context. The group's gradient sums, its weight sums and
-    each entry of ``statistics`` cross the replicas in one batched reduction
-    (the sums only if they were not reduced at every micro-step), only when
-    ``condition`` holds: a micro-step that does not update communicates
-    nothing.
+    Call in replica context. The sums (unless reduced at every micro-step),
+    the divisors and ``statistics`` cross the replicas in one batch, only if
+    ``condition`` (:func:`~gradient_accumulator.distribute.sum_across_replicas_if`).
 
     Args:
         accumulator: The :class:`~gradient_accumulator.engine.GradientAccumulator`.
@@ -291,20 +262,13 @@ def apply_if(
     if present is None:
         present = getattr(accumulator, "traced_slots", range(len(accumulator.slots())))
     plan = _UpdatePlan(accumulator, present, statistics)
-
-    def update(*reduced):
-        _update(accumulator, plan, reduced, optimizer, variables, noise_measured)
-
+    update = functools.partial(_update, accumulator, plan, optimizer, variables, noise_measured)
     values = plan.values_to_reduce()
     with gradients_already_reduced(optimizer):
-        if not supports_collectives_in_conditionals():
-            # MirroredStrategy on CPUs: decided and reduced in cross-replica
-            # context (`merge_call`), then back in each replica.
-            sum_across_replicas_if(condition, values, update)
-        elif condition is True:
-            _update(accumulator, plan, sum_in_replica(values), optimizer, variables, noise_measured)
+        if condition is True and supports_collectives_in_conditionals():
+            update(*sum_in_replica(values))  # what the next call does, with fewer frames
         else:
-            tf.cond(condition, lambda: update(*sum_in_replica(values)), lambda: None)
+            sum_across_replicas_if(condition, values, update)
 
 
 def step(accumulator, class_grads, divisors, condition, optimizer, variables, statistics=()):
@@ -317,12 +281,7 @@ def step(accumulator, class_grads, divisors, condition, optimizer, variables, st
     apply_if(accumulator, condition, optimizer, variables, statistics, present)
 
 
-def apply_pending(accumulator, optimizer, variables, statistics=()):
-    """Updates with a non-empty, unfinished group (replica context): a group cut short."""
-    apply_if(accumulator, ops.greater(accumulator.micro_step, 0), optimizer, variables, statistics)
-
-
-def _update(accumulator, plan, reduced, optimizer, variables, noise_measured):
+def _update(accumulator, plan, optimizer, variables, noise_measured, *reduced):
     """The update (replica context): ``sum_c G_c / W_c`` to ``optimizer``, then a reset."""
     sums, weights, statistic_sums, noise_sums = plan.split(reduced)
     for (_, apply_statistics), total in zip(plan.statistics, statistic_sums):
@@ -362,18 +321,17 @@ def _update(accumulator, plan, reduced, optimizer, variables, noise_measured):
     # (after their reads, which wait for those writes), not beside it: the
     # reset's temporaries then do not add to the optimizer's (the
     # benchmarks page has the figures).
+    loss_scaled = any(
+        isinstance(opt, keras.optimizers.LossScaleOptimizer) for opt in optimizer_chain(optimizer)
+    )
     with tf.control_dependencies([tf.convert_to_tensor(v) for v in variables]):
-        accumulator.reset(_has_loss_scale(optimizer))
+        accumulator.reset(check_finite=loss_scaled)
 
 
 def _update_noise_scale(accumulator, noise_sums, big_squared_norm):
     trace, signal, valid = noise_scale.estimates(noise_sums, big_squared_norm)
     averages, ratio = noise_scale.smoothed(
-        accumulator.noise_averages.read_value(),
-        trace,
-        signal,
-        valid,
-        accumulator.noise_scale_decay,
+        accumulator.noise_averages.read_value(), trace, signal, valid, accumulator.noise_scale_decay
     )
     previous = accumulator.noise_logs.read_value()
     accumulator.noise_averages.assign(averages)
