@@ -16,37 +16,19 @@ from gradient_accumulator.validation import DEFAULT_CLIP_FACTOR, DEFAULT_EPS, ch
 _NORM_FLOOR = 1e-12
 
 
-def _unit_axes(rank):
-    """Axes summed over to get one norm per unit, or ``None`` for the whole.
+def _unitwise_norm(x):
+    """L2 norm of each unit of ``x``, in float32: a scalar for ranks 0 and 1, else ``(1, ..., n)``.
 
     Keras kernels put the output axis last (``Dense``: ``(in, out)``,
     ``ConvND``: ``(*window, in, out)``, ``Embedding``: ``(vocab, dim)``), so a
     unit is one index of the last axis and its norm runs over all other axes.
-    Scalars and vectors (biases, BN scales) are one unit: whole-tensor norm,
-    as in the NFNets reference.
-
-    The NFNets (Haiku) reference sums rank-3 tensors over axis 0 only (a
-    multi-head linear layer of shape ``(in, heads, out)``); a Keras rank-3
-    kernel is usually ``Conv1D``'s ``(width, in, out)``, whose per-output-channel
-    norm runs over axes 0 and 1, which is what this function does.
-    """
-    if rank <= 1:
-        return None
-    return tuple(range(rank - 1))
-
-
-def _unitwise_norm(x):
-    """L2 norm of each unit of ``x``, broadcastable against ``x``, in float32.
-
-    Args:
-        x: Tensor of any rank.
-
-    Returns:
-        A float32 tensor: a scalar for ranks 0 and 1, else shape
-        ``(1, ..., 1, x.shape[-1])``: the norm over all axes but the last.
+    Scalars and vectors (biases, BN scales) are one unit, as in the NFNets
+    reference. That reference sums rank-3 tensors over axis 0 only (a
+    multi-head linear layer, ``(in, heads, out)``); a Keras rank-3 kernel is
+    usually ``Conv1D``'s ``(width, in, out)``, whose unit is an output channel.
     """
     x = ops.cast(x, "float32")
-    axes = _unit_axes(len(x.shape))
+    axes = None if len(x.shape) <= 1 else tuple(range(len(x.shape) - 1))
     return ops.sqrt(ops.sum(ops.square(x), axis=axes, keepdims=axes is not None))
 
 
@@ -100,7 +82,14 @@ def adaptive_clip_gradients(grads, variables, clip_factor=DEFAULT_CLIP_FACTOR, e
     eps = check_positive_float("eps", eps)
     grads = list(grads)
     variables = list(variables)
-    _check_not_swapped(grads)
+    swapped = [g for g in grads if isinstance(g, (tf.Variable, keras.Variable))]
+    if swapped:
+        raise ValueError(
+            "`grads` holds variables, not gradients: the arguments are "
+            "`adaptive_clip_gradients(grads, variables)`, the reverse of "
+            "gradient_accumulator 0.5's `adaptive_clip_grad(parameters, gradients)`. "
+            f"Received: grads=[{swapped[0].name!r}, ...] ({len(swapped)} variables)"
+        )
     if len(grads) != len(variables):
         raise ValueError(
             "`grads` and `variables` must have the same length. Received: "
@@ -124,18 +113,6 @@ def _clip_unitwise(grad, variable, clip_factor, eps):
     clipped = ops.where(grad_norm > max_norm, grad32 * scale, grad32)
     # `where` keeps in-bound units exactly: cast(cast(g, f32), dtype) == g.
     return ops.cast(clipped, dtype)
-
-
-def _check_not_swapped(grads):
-    """Refuses variables in ``grads``: the 0.5 order ``(parameters, gradients)``."""
-    swapped = [g for g in grads if isinstance(g, (tf.Variable, keras.Variable))]
-    if swapped:
-        raise ValueError(
-            "`grads` holds variables, not gradients: the arguments are "
-            "`adaptive_clip_gradients(grads, variables)`, the reverse of "
-            "gradient_accumulator 0.5's `adaptive_clip_grad(parameters, gradients)`. "
-            f"Received: grads=[{swapped[0].name!r}, ...] ({len(swapped)} variables)"
-        )
 
 
 def agc_transform(use_agc, clip_factor, eps):

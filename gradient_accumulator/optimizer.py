@@ -98,13 +98,6 @@ _OWN_ARGUMENTS = (
 )
 
 
-def _is_registered(obj):
-    """Whether Keras can deserialize ``obj`` by its registered name."""
-    target = obj if inspect.isfunction(obj) else type(obj)
-    name = keras.saving.get_registered_name(target)
-    return keras.saving.get_registered_object(name) is target
-
-
 def _ordered_gradients(optimizer, grads, trainable_variables):
     """``(variables, gradients)`` in the order of ``build`` (``None`` where none), checked.
 
@@ -167,16 +160,13 @@ def _ordered_gradients(optimizer, grads, trainable_variables):
 def _outer_loss_scale(optimizer):
     """The ``LossScaleOptimizer`` wrapping ``optimizer`` whose role it takes, if any.
 
-    Called from ``build``, which a ``LossScaleOptimizer`` wrapping this
-    one calls from its own ``build`` (``model.compile()`` wraps it under
-    'mixed_float16'). Refuses a second loss scale. Otherwise the wrapper
-    takes the outer one's role (see "Mixed precision" in the class
-    description): built by ``build`` (Keras's or the user's), or by the
-    outer one's first ``apply`` while tracing (``fit`` traces its step
-    again once it has created variables, and that trace runs). Built by
-    that ``apply`` eagerly (``run_eagerly=True``), the step has already
-    been scaled by the outer one's own ``scale_loss``: it warns and
-    leaves the outer one's role to it.
+    Called from ``build``, which an outer ``LossScaleOptimizer``'s ``build``
+    calls (``model.compile()`` wraps it so under 'mixed_float16'). Refuses a
+    second loss scale; otherwise takes the outer one's role, unless built by
+    its first ``apply`` eagerly (``run_eagerly=True``): that step is already
+    scaled by the outer one's ``scale_loss``, so it warns and leaves the role
+    to it. (Built by that ``apply`` while tracing, the role is taken: ``fit``
+    traces its step again, and that trace runs.)
     """
     outer = loss_scale_optimizer_building(optimizer)
     if outer is None:
@@ -345,7 +335,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             self._recording_build = False
         if self._scaled_before_build:
             # `scale_loss` weighted the first micro-step before the state
-            # existed (by `_share_before_build`): the same weight, recorded.
+            # existed: the same weight, recorded.
             accumulator = self._accumulator
             accumulator.set_pending_weight(
                 accumulator.share(1.0, 1.0, accumulator.planned_micro_step())
@@ -461,12 +451,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     def variables(self):
         """The inner optimizer's variables: its ``iterations``, learning rate and slots.
 
-        What the inner optimizer alone would list, so ``set_weights`` takes a
-        plain optimizer's ``variables`` and a plain optimizer takes these.
-        The base class's two bookkeeping variables of the wrapper are unused
-        and not listed. The accumulation state (TensorFlow variables, see
-        "State" in the class description) is not among them either, as Keras
-        code that walks ``variables`` expects Keras variables;
+        What the inner optimizer alone lists, so ``set_weights`` takes a plain
+        optimizer's ``variables`` and a plain optimizer takes these. Not the
+        wrapper's two unused base-class variables, nor the accumulation state
+        (TensorFlow variables, where Keras code expects Keras ones):
         ``accumulation_variables`` lists it, and saving includes it.
         """
         return self.inner_optimizer.variables
@@ -501,8 +489,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     def update_step(self, gradient, variable, learning_rate):
         """The inner optimizer's update rule for one variable, applied now (no accumulation).
 
-        Keras's optimizers call it from ``apply``; here the inner optimizer
-        does, with the group's mean.
+        The inner optimizer's ``apply`` calls it, with the group's mean.
         """
         return self.inner_optimizer.update_step(gradient, variable, learning_rate)
 
@@ -576,8 +563,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             # `apply`, after this: the first micro-step's weight is kept until
             # then. It is the group's first, of equal weight: 1 / its micro-steps.
             self._scaled_before_build = True
-            share = ops.cast(self._share_before_build(), loss.dtype)
-            return self._scaler().scale_loss(loss * share)
+            steps = self.accum_steps
+            if callable(steps):
+                steps = max(int(steps(tf.constant(0, "int64"))), 1)
+            return self._scaler().scale_loss(loss * ops.cast(1.0 / steps, loss.dtype))
         if accumulator is None:
             if normaliser is not None:
                 # A first micro-step weighted 1 and later ones by their share
@@ -626,7 +615,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """
         accum_steps = self.accum_steps
         if callable(accum_steps):
-            if not _is_registered(accum_steps):
+            # Whether Keras can deserialize it by its registered name.
+            target = accum_steps if inspect.isfunction(accum_steps) else type(accum_steps)
+            name = keras.saving.get_registered_name(target)
+            if keras.saving.get_registered_object(name) is not target:
                 raise ValueError(
                     "`accum_steps` is a callable that Keras cannot serialize, "
                     "so this optimizer cannot be saved. Decorate a named "
@@ -662,16 +654,6 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """What scales the loss: the update's optimizer once built, else the inner one."""
         applied = self._apply_inner
         return self.inner_optimizer if applied is None else applied.inner_optimizer
-
-    def _share_before_build(self):
-        """The weight of a group's first, equal micro-step: 1 / its planned micro-steps.
-
-        What the accumulation state's ``share(1, 1, ...)`` gives it once built.
-        """
-        steps = self.accum_steps
-        if callable(steps):
-            steps = max(int(steps(tf.constant(0, "int64"))), 1)
-        return 1.0 / steps
 
 
 for _name in _FORWARDED_ATTRIBUTES:

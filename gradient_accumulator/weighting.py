@@ -1,17 +1,12 @@
 """Each micro-batch's loss weight: the rule that makes a group equal the big batch.
 
-Keras divides every loss by a normaliser of its own batch: the number of
-loss elements (samples, or samples times time steps), the valid entries of a
-mask, the sum of the sample weights (``reduction="mean_with_sample_weight"``),
-or nothing (``reduction="sum"``). The big batch divides the sum over all of
-its micro-batches by the sum of their normalisers, so a group equals it
-exactly when micro-batch ``i`` is weighted by its own normaliser ``N_i``:
-
-    g = sum_i(N_i * grad(loss_i)) / sum_i(N_i)
-
-(see :class:`gradient_accumulator.engine.GradientAccumulator`, which receives
-``w_i = N_i / (C_1 * K)``, the same ratio with a float16-safe scale). This
-module reads ``N_i`` from what Keras itself combined while computing the
+Keras divides every loss by a normaliser ``N_i`` of its own batch: the number
+of loss elements (samples, or samples times time steps), the valid entries of
+a mask, the sum of the sample weights (``reduction="mean_with_sample_weight"``),
+or nothing (``reduction="sum"``). The big batch divides its sum by the sum of
+the micro-batches' normalisers, so a group equals it exactly when micro-batch
+``i`` is weighted by ``N_i`` (the formula: :mod:`gradient_accumulator.update`).
+This module reads ``N_i`` from what Keras itself combined while computing the
 loss: for every ``keras.losses.Loss`` call, its unreduced values, sample
 weights, mask and reduction (:func:`gradient_accumulator._compat.recorded_loss_reductions`).
 
@@ -149,24 +144,20 @@ class MicroBatchLoss:
 def weigh_classes(micro_loss, plan, num_classes, is_first, tape, owner):
     """Per normaliser class: ``(objective, normaliser, capacity, log scale)`` of this micro-step.
 
-    Pure: what the engine needs to weigh each class
-    (:meth:`~gradient_accumulator.engine.GradientAccumulator.weigh`, which
-    multiplies class ``c``'s objective by its weight ``N_ci / (C_c1 * K)``).
-    Class ``c``'s objective is its part of the loss
-    (:func:`class_data_objectives`), ``N_ci`` its normaliser and ``C_ci`` its
-    capacity (:func:`loss_term`). A sum has no normaliser (``None``): its
-    objective is the replica's own sum, weight 1, and its weight
-    regularizers are counted once per group (at ``is_first``), as the big
-    batch counts them. The log scale is what the class's ``objective /
-    divisor`` is multiplied by to be in the training loss's units (a sum's
-    objective is the replica's own sum, which the training loss of
-    Keras < 3.8 divides by the replicas here), for
-    :class:`~gradient_accumulator.group_loss.GroupLoss`.
+    Pure: what :meth:`~gradient_accumulator.engine.GradientAccumulator.weigh`
+    weighs. Class ``c``'s objective is its part of the loss
+    (:func:`class_data_objectives`), with the normaliser and capacity of
+    :func:`loss_term`. A sum has no normaliser (``None``): its objective is
+    the replica's own sum (the training loss of Keras < 3.8 divides it by the
+    replicas, undone here), and its weight regularizers count once per group
+    (at ``is_first``), as in the big batch. The log scale turns the class's
+    ``objective / divisor`` into the training loss's units
+    (:class:`~gradient_accumulator.group_loss.GroupLoss`).
 
     A trace whose classes are not ``plan``'s (a loss with ``reduction=None``;
     terms of different normalisers that no class discovery separated) is
-    weighted by one rule, with a warning that says which (:func:`_one_sum_rule`):
-    its objective goes to the first class, the others' are ``None``.
+    weighted by one rule, with a warning (:func:`_one_sum_rule`): its
+    objective goes to the first class, the others' are ``None``.
 
     Args:
         micro_loss: The :class:`MicroBatchLoss`.
@@ -182,20 +173,22 @@ def weigh_classes(micro_loss, plan, num_classes, is_first, tape, owner):
         found = _one_sum_rule(terms, micro_loss, owner)
     loss = micro_loss.loss
     objectives = class_data_objectives(micro_loss, found, tape)
+    sum_scale = replicas_dividing_the_training_loss()
     classes = []
     for c, ((positions, kind), objective) in enumerate(zip(found.partition, objectives)):
         if kind == SUM:
-            summed = _sum_scale() * objective
+            summed = sum_scale * objective
             if c == found.extras_class and micro_loss.additional_losses:
-                # The weight regularizers once per group, as the big batch counts them.
                 extra = _additional_total(micro_loss.additional_losses, loss.dtype)
                 first = ops.cast(is_first, loss.dtype)
-                summed = _sum_scale() * (objective - extra) + first * extra
-            classes.append((summed, None, None, 1.0 / _sum_scale()))
-            continue
-        term = None if kind == SAMPLES else terms[positions[0]]
-        normaliser, capacity = _normaliser_and_capacity(term, micro_loss.batch_size)
-        classes.append((objective, normaliser, capacity, 1.0))
+                summed = sum_scale * (objective - extra) + first * extra
+            classes.append((summed, None, None, 1.0 / sum_scale))
+        elif kind == SAMPLES:
+            size = ops.cast(micro_loss.batch_size, "float32")
+            classes.append((objective, size, size, 1.0))
+        else:
+            term = terms[positions[0]]
+            classes.append((objective, term.normaliser, term.capacity, 1.0))
     return classes + [(None, None, None, 1.0)] * (num_classes - len(classes))
 
 
@@ -205,10 +198,7 @@ def _one_sum_rule(terms, micro_loss, owner):
     Weighted by samples, or, where the only other class is the data-dependent
     additional losses', by the loss's own normaliser (the closer of the two).
     """
-    keys = []
-    for term in terms:
-        if term is not None and term.key not in keys:
-            keys.append(term.key)
+    keys = list(dict.fromkeys(term.key for term in terms if term is not None))
     key, reason = SAMPLES, None  # no Keras loss was called: one's own, unknown
     if None in terms:
         reason = "a loss with reduction=None returned unreduced values"
@@ -238,28 +228,11 @@ def _one_sum_rule(terms, micro_loss, owner):
     return ClassPlan((((positions, _kind(key)),)), 0)
 
 
-def _normaliser_and_capacity(term, batch_size):
-    """``(N_i, capacity)`` of a :class:`LossTerm`, or of the samples if ``term`` is ``None``."""
-    if term is None:
-        size = ops.cast(batch_size, "float32")
-        return size, size
-    return term.normaliser, term.capacity
-
-
 def _additional_total(additional_losses, dtype):
     """The sum of ``model.losses``, divided by the replicas as Keras's loss is."""
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
     extra = ops.sum(ops.stack([ops.sum(ops.cast(term, "float32")) for term in additional_losses]))
     return ops.cast(extra / replicas, dtype)
-
-
-def _sum_scale():
-    """What a summed loss is multiplied by to be the replica's own sum.
-
-    Keras < 3.8 does not divide by the replicas; `compute_training_loss`
-    divided the whole loss, which a sum (summed over replicas) must undo.
-    """
-    return replicas_dividing_the_training_loss()
 
 
 def weight_only_loss_count(model):
@@ -330,13 +303,10 @@ def normaliser_partition(records, batch_size, data_extras=False):
     terms = [loss_term(v, w, m, r, batch_size) for v, w, m, r, _ in records]
     if None in terms:
         return terms, None
-    keys, members = [], []
+    members = {}  # per key, in the order of its first term
     for position, term in enumerate(terms):
-        if term.key not in keys:
-            keys.append(term.key)
-            members.append([])
-        members[keys.index(term.key)].append(position)
-    partition = tuple((tuple(m), _kind(k)) for m, k in zip(members, keys))
+        members.setdefault(term.key, []).append(position)
+    partition = tuple((tuple(m), _kind(k)) for k, m in members.items())
     kinds = [kind for _, kind in partition]
     if (data_extras or not partition) and SAMPLES not in kinds:
         partition += (((), SAMPLES),)
