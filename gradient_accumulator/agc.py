@@ -51,11 +51,10 @@ def adaptive_clip_gradients(grads, variables, clip_factor=DEFAULT_CLIP_FACTOR, e
     The NFNets paper does not clip the final classifier layer; pass only the
     ``(grads, variables)`` pairs you want clipped to reproduce that.
 
-    Variables passed as ``grads`` (the reverse order) are refused.
-
     Args:
         grads: List of gradient tensors (``None`` entries are passed through;
-            ``tf.IndexedSlices`` are converted to dense tensors first).
+            ``tf.IndexedSlices`` are converted to dense tensors first;
+            variables, the reverse order, are refused).
         variables: List of the variables (or tensors) the gradients belong
             to, in the same order and of the same shapes.
         clip_factor: Float > 0, the largest allowed ratio of gradient norm to

@@ -444,8 +444,7 @@ class GradientAccumulator(tf.Module):
         steps_left = self.steps_to_boundary.assign_sub(1)
         steps = ops.cast(self.current_accum_steps(), "int64")
         is_update_step = ops.logical_or(
-            ops.greater_equal(self.micro_step + 1, steps),
-            ops.equal(steps_left, 0),
+            ops.greater_equal(self.micro_step + 1, steps), ops.equal(steps_left, 0)
         )
         is_first = ops.equal(self.micro_step, 0)
         # The micro-steps this group will have, as far as known at its start
@@ -458,12 +457,11 @@ class GradientAccumulator(tf.Module):
     def micro_step_at(self, index, length, ends_group=None, measures=None):
         """The :class:`MicroStep` of micro-step ``index`` of a group of ``length``.
 
-        For a function that runs a whole group: whether the micro-step ends
-        its group is known when it is traced, so ``is_update_step`` is a
-        Python boolean and nothing is decided at run time. ``index`` and
-        ``length`` may be integer tensors (one trace for every place in
-        every group) when ``ends_group`` says whether it is the last; with
-        Python integers it may be left ``None``. The group must start empty.
+        For a function that runs a whole group, which must start empty: whether
+        it ends its group is known when traced (``is_update_step``, a Python
+        boolean). ``index`` and ``length`` may be integer tensors (one trace
+        for every place in every group) if ``ends_group`` says whether it is
+        the last; with Python integers it may be ``None``.
         """
         if ends_group is None:
             ends_group = index == length - 1
@@ -535,8 +533,7 @@ class GradientAccumulator(tf.Module):
     def current_accum_steps(self):
         """Micro-steps in the current group: ``accum_steps`` or its schedule."""
         if callable(self.accum_steps):
-            steps = ops.cast(self.accum_steps(self.update_count), "int64")
-            return ops.maximum(steps, 1)
+            return ops.maximum(ops.cast(self.accum_steps(self.update_count), "int64"), 1)
         return self.accum_steps
 
     def add_group_gradients(self, grads, variables):
@@ -576,8 +573,7 @@ class GradientAccumulator(tf.Module):
     def add(self, class_grads, divisors):
         """Adds one micro-step: its gradients into their sums, its divisors into theirs.
 
-        The update is another step (:func:`gradient_accumulator.update.apply_if`),
-        once the group's last micro-step has added. Call in replica context.
+        Call in replica context; the update is :func:`gradient_accumulator.update.apply_if`.
 
         Args:
             class_grads: Per normaliser class, the gradients (order of the
@@ -621,18 +617,15 @@ class GradientAccumulator(tf.Module):
         """Empties the group (call in replica context).
 
         The sums are zeroed in place (``s + (-s)`` is exactly 0 for finite
-        ``s``); assigning new zero tensors would allocate every sum's size
-        at once at each update, which raises peak memory (the figures are on
-        the benchmarks page of the documentation).
+        ``s``): new zero tensors would allocate every sum's size at once, which
+        raises peak memory (the benchmarks page has the figures).
 
         Args:
-            check_finite: Boolean. ``True`` where training goes on after a
-                non-finite gradient, i.e. when the optimizer is a
-                ``LossScaleOptimizer``, which skips such updates: sums
-                holding an infinity or NaN are then overwritten with zeros
-                (a finite total of all sums proves every element finite).
-                Elsewhere a non-finite gradient has already made the weights
-                non-finite, and the check would only cost time and memory.
+            check_finite: Boolean, ``True`` under a ``LossScaleOptimizer``, which
+                skips non-finite updates: sums holding an infinity or NaN are
+                then overwritten with zeros (a finite total proves every element
+                finite). Elsewhere a non-finite gradient has already made the
+                weights non-finite, and the check would only cost.
         """
         for total in self.weight_sums():
             total.assign(0.0)

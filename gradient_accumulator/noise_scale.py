@@ -63,13 +63,12 @@ def micro_batch_summary(grads_squared_norm, factor, size, measured=None):
         factor: What those gradients are multiplied by relative to the
             micro-batch's own mean gradient ``g_i`` (its weight, the loss
             scale, one over the replicas).
-        size: ``b_i``, the micro-batch's normaliser (samples, or tokens).
+        size: ``b_i``, the micro-batch's normaliser (samples, or tokens). At 0
+            (all its tokens masked) the micro-batch is not measured either: its
+            gradient is 0, no draw of one of size ``b_i``.
         measured: ``None`` (measured), or a boolean tensor: where false, the
             gradient was not measured and the summary is ``[0, 0, 0, b_i]``
             (its samples still count in the group's ``B``).
-
-    A micro-batch of no samples (``b_i = 0``: all its tokens masked) is not
-    measured either: its gradient is 0, no draw of one of size ``b_i``.
     """
     factor = ops.cast(factor, "float32")
     size = ops.cast(size, "float32")
@@ -100,8 +99,6 @@ def estimates(sums, big_squared_norm):
     trace = ops.divide_no_nan(small - big_squared_norm, gap)
     # (B * S_big - b * S_small) / (B - b), divided through by b * B.
     signal = ops.divide_no_nan(inverse_small * big_squared_norm - inverse_big * small, gap)
-    # A loss-scaled gradient that overflowed (the update a LossScaleOptimizer
-    # skips) has no estimate either.
     finite = ops.logical_and(ops.isfinite(trace), ops.isfinite(signal))
     valid = ops.logical_and(ops.logical_and(count >= 1.0, gap > 1e-6 * inverse_small), finite)
     return trace, signal, valid

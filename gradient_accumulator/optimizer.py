@@ -108,22 +108,19 @@ def _ordered_gradients(optimizer, grads, trainable_variables):
     if trainable_variables is None:
         if not optimizer.built:
             raise ValueError(
-                "When passing `grads` without `trainable_variables`, the "
-                "optimizer must already be built. Call "
-                "`optimizer.build(trainable_variables)` first."
+                "When passing `grads` without `trainable_variables`, the optimizer must "
+                "already be built. Call `optimizer.build(trainable_variables)` first."
             )
         trainable_variables = optimizer_variables_in_build_order(optimizer)
     else:
         trainable_variables = list(trainable_variables)
         if not optimizer.built:
             if not optimizer.inner_optimizer.built:
-                # Where Keras's own `apply` builds it, in the traced step:
-                # a build that reads the model's variables (ScheduleFreeAdamW
-                # copies them) must read them there, where a model built by
-                # that step has them (outside, they are uninitialized).
-                # Under a strategy (Keras < 3.5's fit builds nothing first)
-                # variables created there fail once read in the update's
-                # conditional: they are created outside, as below.
+                # In the traced step, where Keras's `apply` builds it: a build
+                # that reads the model's variables (ScheduleFreeAdamW copies
+                # them) must run where a model built by that step has them.
+                # Under a strategy (Keras < 3.5's fit builds nothing first),
+                # outside: created there, they fail in the update's conditional.
                 with tf.init_scope() if tf.distribute.has_strategy() else contextlib.nullcontext():
                     optimizer.inner_optimizer.build(trainable_variables)
             # The accumulation state is created outside the traced step (as
@@ -309,13 +306,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         outer = _outer_loss_scale(self)
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
-        transform = agc_transform(self.use_agc, self.clip_factor, self.eps)
-        # Created here, eagerly, never inside a traced step.
         with keras.name_scope(self.name, caller=self):
             self._accumulator = GradientAccumulator(
                 self.accum_steps,
                 var_list,
-                gradient_transform=transform,
+                gradient_transform=agc_transform(self.use_agc, self.clip_factor, self.eps),
                 reduce_every_micro_step=self.reduce_every_micro_step,
                 name="accumulator",
             )
@@ -326,8 +321,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             )
         # The optimizer of the update (and of `scale_loss` once built).
         self._apply_inner = update.PresentGradients(scaler)
-        # The base class records the variables and their order; its `use_ema`
-        # reads False meanwhile (the inner optimizer holds the averages).
+        # The base class records the variables (its `use_ema` reads False meanwhile).
         self._recording_build = True
         try:
             super().build(var_list)
@@ -421,11 +415,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     def loss_scale_factor(self):
         """The inner optimizer's ``loss_scale_factor``; a ``LossScaleOptimizer``'s initial scale.
 
-        Forwarded so that ``LossScaleOptimizer``, which clears its inner
-        optimizer's factor, clears the one that is actually applied. With a
-        ``LossScaleOptimizer`` inside, a loss scale is applied: the factor is
-        its initial scale, and clearing it (an outer ``LossScaleOptimizer``
-        would scale the loss twice) is refused.
+        Forwarded so that an outer ``LossScaleOptimizer``, which clears its
+        inner optimizer's factor, clears the applied one. With a
+        ``LossScaleOptimizer`` inside, the factor is that one's initial scale,
+        and clearing it (the loss would be scaled twice) is refused.
         """
         inner = getattr(self, "inner_optimizer", None)
         if inner is None:
@@ -438,12 +431,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     def loss_scale_factor(self, value):
         inner = getattr(self, "inner_optimizer", None)
         if inner is None:
-            # Before `inner_optimizer` exists only the base class's default
-            # None arrives here, which is the inner optimizer's business anyway.
-            return
+            return  # the base class's default None, before `inner_optimizer` exists
         if isinstance(inner, keras.optimizers.LossScaleOptimizer):
-            # A LossScaleOptimizer clears the factor of the optimizer it wraps:
-            # this one already holds one.
             refuse_double_loss_scale(f"loss_scale_factor={value!r}")
         inner.loss_scale_factor = value
 
@@ -529,12 +518,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         loop, differentiate ``optimizer.scale_loss(loss)`` and pass its
         gradients to :meth:`apply_gradients` (call it on every micro-step or
         on none: without it, every micro-step has weight 1). The weight
-        ``w_i`` multiplies the loss before the backward pass and enters the
-        group's divisor, so the update is unchanged by it (see the
-        class description) while every float16 intermediate of the backward
-        pass has the big batch's magnitude. Then the inner optimizer's
-        ``scale_loss`` applies: a ``LossScaleOptimizer``'s dynamic scale, or a
-        ``loss_scale_factor``.
+        ``w_i`` also enters the group's divisor, so it leaves the update
+        unchanged while every float16 intermediate of the backward pass has
+        the big batch's magnitude (:mod:`gradient_accumulator.update`). Then
+        the inner optimizer's ``scale_loss`` applies: a ``LossScaleOptimizer``'s
+        dynamic scale, or a ``loss_scale_factor``.
 
         Args:
             loss: Scalar, the micro-batch's loss, a sum divided by

@@ -1,25 +1,22 @@
 """The update: a group's sums, reduced over the replicas, to the optimizer as one mean gradient.
 
-The formula, written once (the wrappers' and the engine's docstrings link
-here). Micro-step ``i`` of a group differentiates ``w_i * loss_i``, with
-``loss_i`` its micro-batch's loss (a sum over the micro-batch divided by its
-normaliser ``N_i``: samples, valid tokens, sample weights' sum) and ``w_i =
-N_i / (C_1 * K)`` its share of the group (``C_1`` the capacity of the group's
-first micro-batch, ``K`` the micro-steps the group is planned to have). The
-accumulator sums ``G = sum_i(w_i * g_i)`` and ``W = sum_i(w_i)``; the update
-hands the optimizer::
+The formula, written once (the other docstrings link here). Micro-step ``i``
+of a group differentiates ``w_i * loss_i``: ``loss_i`` its micro-batch's loss
+(a sum divided by its normaliser ``N_i``: samples, valid tokens, sample
+weights' sum), ``w_i = N_i / (C_1 * K)`` its share of the group (``C_1`` the
+capacity of the group's first micro-batch, ``K`` the micro-steps the group is
+planned to have). The accumulator sums ``G = sum_i(w_i * g_i)`` and ``W =
+sum_i(w_i)``; the update hands the optimizer::
 
     g = sum_c G_c / W_c
 
 over the loss's normaliser classes ``c`` (one, ``G / W``, unless the loss
-mixes normalisers: :mod:`gradient_accumulator.weighting`), which is the
-gradient of the concatenated group's loss, whatever its micro-batches hold.
-The reference ``C_1 * K`` cancels; it makes ``w_i`` the micro-batch's share
-of the group (``1 / K`` for equal micro-batches), so that in the backward
-pass of ``w_i * loss_i`` every per-sample quantity has the magnitude it has
-in the big batch's (under a float16 loss scale, a micro-batch overflows only
-where the big batch would); differentiating ``w_i * loss_i`` costs one
-scalar multiply in the backward pass.
+mixes normalisers: :mod:`gradient_accumulator.weighting`): the gradient of the
+concatenated group's loss, whatever its micro-batches hold. ``C_1 * K``
+cancels; it makes ``w_i`` the micro-batch's share (``1 / K`` for equal
+micro-batches), so that in the backward pass (one scalar multiply dearer)
+every per-sample quantity has the big batch's magnitude (under a float16
+loss scale, a micro-batch overflows only where the big batch would).
 A summed loss (``reduction="sum"``) adds ``w_i = 1`` and ``1`` to ``W`` once
 per group: ``g = sum_i(g_i)``. A variable marked ``overwrite_with_gradient``
 (float8 scales and amax histories) takes ``max_i(g_i)``, the big batch's
@@ -94,8 +91,7 @@ class _UpdatePlan:
     """What one update reads (trace time): the sums, the divisors, the statistics.
 
     Attributes:
-        slots: The ``(variable index, class, sum variable)`` entries that
-            hold a gradient.
+        slots: The ``(variable index, class, sum variable)`` entries holding a gradient.
         weight_sums: Per class, its divisor's variable.
         statistics: The ``(value, apply_fn)`` pairs of :func:`apply_if`.
         noise_sums: The noise scale's summaries (a variable), or ``None``.
@@ -124,7 +120,6 @@ class _UpdatePlan:
 
         A sum of maxima enters as :func:`~gradient_accumulator.distribute.by_replica`
         rows, so that the one batched sum carries every replica's maximum.
-        The noise scale's summaries are summed over the replicas with the rest.
         """
         shared = [value for value, _ in self.statistics]
         if self.noise_sums is not None:
@@ -245,11 +240,10 @@ def apply_if(
             boolean scalar tensor, the same in every replica.
         optimizer: What ``apply(grads, variables)`` updates with.
         variables: The accumulator's trainable variables.
-        statistics: Sequence of ``(value, apply_fn)``: a float32 tensor of
-            this replica's to sum over the replicas with the gradients, and
-            a callable that receives the sum in the update, in replica
-            context (``AccumBatchNormalization`` merges its replicas'
-            pending statistics so).
+        statistics: Sequence of ``(value, apply_fn)``: a float32 tensor of this
+            replica's, summed over the replicas with the gradients, and a
+            callable receiving the sum in the update, in replica context
+            (``AccumBatchNormalization`` merges its replicas' statistics so).
         present: Indices into the accumulator's ``slots()`` of the sums that
             hold a gradient; the last traced micro-step's
             (``traced_slots``) if ``None``, all of them before any.
@@ -317,10 +311,9 @@ def _update(accumulator, plan, optimizer, variables, noise_measured, *reduced):
         mean_grads = [g if m else t for g, t, m in zip(mean_grads, transformed, maxima)]
     optimizer.apply(mean_grads, variables)
     accumulator.update_count.assign_add(1)
-    # The sums are emptied once the optimizer has written the variables
-    # (after their reads, which wait for those writes), not beside it: the
-    # reset's temporaries then do not add to the optimizer's (the
-    # benchmarks page has the figures).
+    # The sums are emptied after the optimizer's writes (the variables' reads
+    # wait for them), not beside it: the reset's temporaries then do not add
+    # to the optimizer's (the benchmarks page has the figures).
     loss_scaled = any(
         isinstance(opt, keras.optimizers.LossScaleOptimizer) for opt in optimizer_chain(optimizer)
     )
@@ -339,10 +332,7 @@ def _update_noise_scale(accumulator, noise_sums, big_squared_norm):
 
 
 def _mean_gradient_norm(accumulator, mean_grads, optimizer):
-    """The global L2 norm of the mean gradient, divided by the loss scale if any.
-
-    Float8 scales and amax histories (maxima, not gradients) are left out.
-    """
+    """The mean gradient's global L2 norm over the loss scale if any, float8 maxima left out."""
     squared = noise_scale.squared_norm(mean_grads, accumulator.takes_maximum)
     scale = ops.cast(optimizer.scale_loss(tf.constant(1.0)), "float32")
     return ops.sqrt(squared) / scale

@@ -16,12 +16,11 @@ the same weights; or a sum). Terms with different normalisers (a masked
 per-token output beside a per-sample one), and data-dependent additional
 losses beside a non-per-sample loss, form several classes (:class:`ClassPlan`,
 found by a traced pass before the first step, :func:`discover_classes`).
-:func:`weigh_classes` weights each class, one class being the one-entry
-case, and the accumulator sums and divides each class on its own. Terms
-that depend on the weights only (kernel regularizers) are counted once per
-update whatever the normaliser.
-A train function traced without that pass, or a loss with
-``reduction=None``, is weighted by samples with a warning that says so.
+:func:`weigh_classes` weights each class (one class the one-entry case); the
+accumulator sums and divides each on its own. Terms that depend on the
+weights only (kernel regularizers) count once per update whatever the
+normaliser. A train function traced without that pass, or a loss with
+``reduction=None``, is weighted by samples, with a warning that says so.
 """
 
 import warnings
@@ -132,10 +131,7 @@ class MicroBatchLoss:
         return len(self.additional_losses) > self.weight_only_losses
 
     def partition(self):
-        """``(terms, ClassPlan without routing)``: see :func:`normaliser_partition`.
-
-        Computed once (its tensors belong to the trace that recorded the loss).
-        """
+        """:func:`normaliser_partition` of the records, once (its tensors are this trace's)."""
         if not hasattr(self, "_partition"):
             self._partition = normaliser_partition(self.records, self.batch_size, self.data_extras)
         return self._partition
@@ -211,7 +207,6 @@ def _one_sum_rule(terms, micro_loss, owner):
     elif keys:
         (key,) = keys
         if key != SAMPLES and micro_loss.data_extras:
-            # Still weighted by its normaliser, the closer of the two rules.
             reason = (
                 "its activity regularizers or `add_loss` terms depend on the "
                 "data and its loss is not a mean over samples"
@@ -260,10 +255,9 @@ class ClassPlan:
         partition: Tuple, per class, of ``(term positions, kind)`` in the
             order of each class's first term; ``None`` for one class of any
             terms (:meth:`one_class`: a loss whose classes no pass looked for).
-        extras_class: Integer, the class that carries the loss's terms that
-            are no recorded reduction (weight regularizers, ``add_loss``):
-            the per-sample class if there is one, else the first that is not
-            a sum.
+        extras_class: Integer, the class carrying the loss's terms that are no
+            recorded reduction (weight regularizers, ``add_loss``): the
+            per-sample class if any, else the first that is not a sum.
         routing: Tuple, per trainable variable, of the classes whose
             gradient reaches it; ``None`` for one class (every variable).
     """
@@ -295,10 +289,9 @@ def normaliser_partition(records, batch_size, data_extras=False):
 
     ``None`` for the plan if a term is unreduced (no class can hold it). A
     loss without recorded reductions (one's own) is one per-sample class.
-    ``data_extras``: the model has data-dependent additional losses
-    (activity regularizers, ``add_loss``), whose normaliser the wrapper cannot
-    see; they are weighted by samples, so they join the per-sample class, a
-    class of their own if no loss term is per-sample.
+    ``data_extras``: the model has data-dependent additional losses (activity
+    regularizers, ``add_loss``), whose normaliser is unseen: weighted by
+    samples, they join the per-sample class, one of their own if none is.
     """
     terms = [loss_term(v, w, m, r, batch_size) for v, w, m, r, _ in records]
     if None in terms:
@@ -321,16 +314,13 @@ def normaliser_partition(records, batch_size, data_extras=False):
 def class_data_objectives(micro_loss, plan, tape):
     """Per class of ``plan``, the part of the loss its terms contribute (unweighted).
 
-    The loss is linear in the recorded reductions ``r_j`` (Keras multiplies
-    each by its ``loss_weights`` entry, scales it for the replicas and sums
-    them, then adds the aggregated ``model.losses``); each coefficient
-    ``a_j = d loss / d r_j`` is read from ``tape`` (a scalar backward pass
-    through that sum only), so any ``compute_loss`` that combines Keras
-    losses linearly is split exactly. Class ``c``'s objective is
-    ``sum_{j in c} a_j r_j``, plus the additional losses for
-    ``plan.extras_class``. The one class of a one-class plan is the whole
-    loss (no pass).
-
+    The loss is linear in the recorded reductions ``r_j`` (Keras weighs each by
+    its ``loss_weights`` entry and the replicas, sums them, and adds the
+    aggregated ``model.losses``): each coefficient ``a_j = d loss / d r_j``,
+    read from ``tape`` (a scalar backward pass through that sum only), splits
+    any linear ``compute_loss`` of Keras losses exactly. Class ``c``'s objective
+    is ``sum_{j in c} a_j r_j``, plus the additional losses for
+    ``plan.extras_class``; a one-class plan's is the whole loss (no pass).
     Call inside the tape's context (the objectives must be recorded).
     """
     loss = micro_loss.loss
@@ -403,11 +393,9 @@ def discover_classes(forward, variables, strategy, batch_spec):
         found["plan"] = plan
         return micro_loss.loss
 
-    def traced(*args):
-        return strategy.run(probe, args=args)
-
     with strategy.scope():
-        tf.function(traced, autograph=False).get_concrete_function(*batch_spec)
+        traced = tf.function(lambda *args: strategy.run(probe, args=args), autograph=False)
+        traced.get_concrete_function(*batch_spec)
     return found.get("plan", ClassPlan.one_class())
 
 
