@@ -2,9 +2,8 @@
 
 The rest of the package uses public Keras 3 and TensorFlow API only; where no
 public route exists, it goes through a function of this module, which names
-the private attribute, says why, and is checked by ``tests/test_compat.py``
-(a failure there names the name that changed, so a new Keras release that
-breaks one of them is found by CI, not by a user).
+the private attribute and says why. ``tests/test_compat.py`` checks each, so
+CI, not a user, finds the Keras release that changes one.
 """
 
 import contextlib
@@ -14,16 +13,13 @@ import threading
 import keras
 import tensorflow as tf
 
-# The functional model class: `keras.Model(inputs, outputs)` returns an
-# instance of it and `keras.models.clone_model` decides on it, but Keras
-# exports no name for it. Used to tell graph models from subclassed ones.
+# What `keras.Model(inputs, outputs)` makes and `clone_model` decides on, with no exported
+# name: it tells graph models from subclassed ones.
 from keras.src.models.functional import Functional  # noqa: E402, F401  # isort: skip
 
-# What Keras's saving walks: an attribute of a model holding one of these gets
-# an entry of its own in `.keras` and `.weights.h5` files (at the attribute's
-# name), which a model without that attribute never reads. No public base class
-# gives that without being a layer, metric or optimizer (which the model would
-# track and list). The model wrapper keeps its accumulation state there.
+# Keras's saving gives a model's attribute holding one of these an entry of its own in `.keras`
+# and `.weights.h5` files; no public base class does so without being a layer, metric or
+# optimizer (which the model would track). The model wrapper keeps its accumulation state there.
 from keras.src.saving.keras_saveable import KerasSaveable  # noqa: E402, F401  # isort: skip
 
 # Keras's TensorFlow optimizer sums gradients across replicas in this method,
@@ -37,11 +33,6 @@ OPTIMIZER_ALL_REDUCE_METHOD = "_all_reduce_sum_gradients"
 OVERRIDDEN_MODEL_HOOKS = {"_maybe_symbolic_build": ((3, 5), ("iterator", "data_batch"))}
 
 
-# ----------------------------------------------------------------------------
-# Keras internals with no public route
-# ----------------------------------------------------------------------------
-
-
 def sublayers(layer, recursive=True):
     """The layers inside ``layer`` (not itself): Keras's own walk, ``_flatten_layers``.
 
@@ -52,11 +43,9 @@ def sublayers(layer, recursive=True):
 
 
 def optimizer_chain(optimizer):
-    """``optimizer`` and every optimizer it wraps, outermost first.
+    """``optimizer`` and every optimizer it wraps (``inner_optimizer``), outermost first.
 
-    Keras's wrapping optimizers (``LossScaleOptimizer``, and
-    ``GradientAccumulateOptimizer`` as it) hold the wrapped one as
-    ``inner_optimizer``; Keras has no function that walks them.
+    Keras has no function that walks ``LossScaleOptimizer`` (or our wrapper) chains.
     """
     chain = []
     while optimizer is not None and not any(optimizer is seen for seen in chain):
@@ -78,11 +67,9 @@ def seed_generator_states(layer):
 
 
 def is_variable(value):
-    """Whether ``value`` is a Keras variable.
+    """Whether ``value`` is a Keras variable (``keras.src.backend.Variable``).
 
-    ``keras.Variable`` is not their class before Keras 3.4 (an export class
-    of its own); the backend's variable class (``keras.src.backend.Variable``)
-    is, in every supported version.
+    ``keras.Variable`` is not their class before Keras 3.4 (an export class of its own).
     """
     from keras.src.backend import Variable
 
@@ -90,11 +77,9 @@ def is_variable(value):
 
 
 def raw_value(variable):
-    """``variable``'s value in its own dtype, not autocast.
+    """``variable``'s stored value (``_value``), in its own dtype.
 
-    Inside a layer's ``call`` under a mixed precision policy, Keras reads a
-    float variable cast to the compute dtype (``variable.value``); its
-    TensorFlow variable (``_value``) reads the stored value.
+    Inside a layer's ``call`` under a mixed precision policy, ``variable.value`` is autocast.
     """
     return tf.convert_to_tensor(variable._value)
 
@@ -119,14 +104,10 @@ def _recording_reduce_weighted_values(original):
 def recorded_loss_reductions():
     """Records every loss reduction a Keras ``Loss`` makes inside (this thread only).
 
-    Yields a list that receives ``(values, sample_weight, mask, reduction,
-    loss)`` per call of ``keras.losses.Loss.__call__``: the unreduced values,
-    the sample weights and mask it combines, its reduction and the result.
-    Keras exposes none of them (``Loss.__call__`` hands them to its module's
-    private ``reduce_weighted_values``, which is wrapped once, on first use,
-    by a function that records only while this context is active). The model
-    wrapper reads from them the normaliser Keras divides each loss by
-    (:mod:`gradient_accumulator.weighting`).
+    Yields a list that receives ``(values, sample_weight, mask, reduction, loss)`` per
+    ``Loss.__call__``, which hands them to its module's private ``reduce_weighted_values``
+    and exposes none (:mod:`gradient_accumulator.weighting` reads the normaliser from
+    them). That function is wrapped once, on first use; it records only in this context.
     """
     from keras.src.losses import loss as loss_module
 
@@ -164,11 +145,9 @@ def _calling_self(matches, depth):
 def loss_scale_optimizer_building(optimizer):
     """The ``LossScaleOptimizer`` whose ``build`` is building ``optimizer`` now, or ``None``.
 
-    Nothing tells an optimizer that a ``LossScaleOptimizer`` wraps it (from
-    Keras 3.10 on, the wrapper clears its ``loss_scale_factor``; before, not
-    even that), but Keras's ``LossScaleOptimizer.build`` calls
+    Nothing tells an optimizer that one wraps it (Keras >= 3.10 only clears its
+    ``loss_scale_factor``), but ``LossScaleOptimizer.build`` calls
     ``self.inner_optimizer.build(var_list)``: the calling frames hold it.
-    ``tests/test_compat.py`` checks that it is found.
     """
     return _calling_self(
         lambda frame, caller: (
@@ -182,9 +161,8 @@ def loss_scale_optimizer_building(optimizer):
 def loss_scale_optimizer_applying(outer):
     """Whether ``outer`` (a ``LossScaleOptimizer``) is inside its own ``apply`` now.
 
-    Keras's ``LossScaleOptimizer.apply`` builds it (and so the optimizer it
-    wraps) at its first call, then goes on with its own unscaling: the
-    calling frames tell. ``tests/test_compat.py`` checks that it is found.
+    Its first ``apply`` builds it (and the optimizer it wraps), then unscales: the
+    calling frames tell.
     """
     found = _calling_self(
         lambda frame, caller: frame.f_code.co_name == "apply" and caller is outer, depth=16
@@ -195,26 +173,13 @@ def loss_scale_optimizer_applying(outer):
 def stand_in_for_loss_scale_optimizer(outer, scale_loss, apply, inner_optimizer):
     """Hands ``outer``'s loss scaling to a wrapper it wraps; returns the update's scaler.
 
-    ``model.compile`` wraps the optimizer it is given in a
-    ``LossScaleOptimizer`` under ``mixed_float16`` (unless it is one), and
-    ``fit`` then calls that ``LossScaleOptimizer``'s ``scale_loss`` and
-    ``apply`` at every step: no public route lets the optimizer inside weight
-    the loss or see the gradients before it unscales and checks them. So
-    ``outer`` (built) gets instance attributes that shadow its class's
-    ``scale_loss`` and ``apply`` with the given callables (as
-    :func:`gradient_accumulator.distribute.gradients_already_reduced` does for
-    Keras's all-reduce), and the returned ``LossScaleOptimizer`` of
-    ``inner_optimizer`` keeps its scale and counter in ``outer``'s variables,
-    so ``outer.dynamic_scale`` (what users and callbacks read, what ``outer``
-    saves) is the scale in use. ``tests/test_compat.py`` checks the
-    attributes read here.
-
-    Args:
-        outer: A built ``LossScaleOptimizer`` (it has ``step_counter`` and
-            ``dynamic_scale``).
-        scale_loss: Callable ``(loss) -> loss`` for ``outer.scale_loss``.
-        apply: Callable ``(grads, trainable_variables=None)`` for ``outer.apply``.
-        inner_optimizer: The optimizer the returned one updates.
+    Under ``mixed_float16``, ``compile`` wraps the optimizer in a ``LossScaleOptimizer``
+    whose ``scale_loss`` and ``apply`` ``fit`` calls: no public route lets the optimizer
+    inside weight the loss or see the gradients before they are unscaled and checked. So
+    instance attributes of ``outer`` (built) shadow those two methods with the given
+    callables (``scale_loss(loss)``, ``apply(grads, trainable_variables=None)``), and the
+    returned ``LossScaleOptimizer`` of ``inner_optimizer`` keeps its scale and counter in
+    ``outer``'s ``dynamic_scale`` and ``step_counter``, which users, callbacks and saving read.
     """
     vars(outer)["scale_loss"] = scale_loss
     vars(outer)["apply"] = apply
@@ -233,10 +198,9 @@ def stand_in_for_loss_scale_optimizer(outer, scale_loss, apply, inner_optimizer)
 
 
 def keras_apply_mask(sample_weight, mask, dtype, reduction):
-    """Keras's own merge of a mask into sample weights (``losses.loss.apply_mask``).
+    """Keras's merge of a mask into sample weights (``losses.loss.apply_mask``), to the bit.
 
-    With ``squeeze_or_expand_to_same_rank`` (below), what ``reduce_weighted_values``
-    does before it divides; reused so that a normaliser is Keras's to the bit.
+    With ``squeeze_or_expand_to_same_rank``, what ``reduce_weighted_values`` does first.
     """
     from keras.src.losses import loss as loss_module
 
@@ -253,8 +217,7 @@ def keras_squeeze_or_expand_to_same_rank(x1, x2):
 def loss_tracker(model):
     """The ``Mean`` metric behind the ``loss`` that ``fit`` reports (``_loss_tracker``).
 
-    A train step of one's own must update it for ``fit`` to report the loss;
-    Keras's own train step does so through this private attribute.
+    A train step of one's own must update it, as Keras's does through this private attribute.
     """
     return model._loss_tracker
 
@@ -262,9 +225,8 @@ def loss_tracker(model):
 def output_loss_trackers(model):
     """The ``Mean`` metrics behind each output's logged loss (``<name>_loss``), or ``[]``.
 
-    Keras >= 3.9 (approximately) logs each output's loss apart when a model has
-    several; the trackers live in its private ``CompileLoss``, in the order of
-    its flat losses, and exist once it is built. Older Keras logs none.
+    Keras >= 3.9 (about) keeps them in its private ``CompileLoss``, in the order of its
+    flat losses, once built; older Keras logs none.
     """
     compile_loss = getattr(model, "_compile_loss", None)
     if compile_loss is None or not getattr(compile_loss, "built", False):
@@ -285,8 +247,8 @@ def creation_strategy(model):
 def is_eager_tensor(value):
     """Whether ``value`` is an eager tensor (a constant captured by a traced function).
 
-    ``tf.__internal__.EagerTensor``: TensorFlow exports no public name for the
-    class, and ``tf.is_tensor`` is true of symbolic and eager tensors alike.
+    ``tf.is_tensor`` is true of symbolic ones too; the class's only name is
+    ``tf.__internal__.EagerTensor``.
     """
     return isinstance(value, tf.__internal__.EagerTensor)
 
@@ -294,36 +256,28 @@ def is_eager_tensor(value):
 def functional_init_arguments(args, kwargs):
     """Whether a model's constructor arguments build a functional model (inputs and outputs).
 
-    Keras's own test (``keras.src.models.model.functional_init_arguments``),
-    which decides in ``Model.__init__``; no public name.
+    The private test of ``Model.__init__`` (``keras.src.models.model``).
     """
     from keras.src.models.model import functional_init_arguments as keras_test
 
     return keras_test(args, kwargs)
 
 
-_FUNCTIONAL_FORMS = {}
 _FORM_ATTRIBUTE = "_keras_functional_form"
+_WRITTEN_CLASSES = {}  # functional form -> the class it is made of
 
 
 def functional_form(cls):
     """``cls`` with Keras's ``Functional`` among its bases: the class of its functional instances.
 
-    Keras's ``Model.__init__`` turns a subclass built from inputs and outputs
-    into a functional model by assigning ``Functional`` into the ``__bases__``
-    of the subclass and of every ancestor up to ``Model``
-    (``inject_functional_model_class``): once one functional
-    ``GradientAccumulateModel`` exists, a subclass of it written the
-    subclassing way (no inputs, its own ``call``) fails to construct in that
-    process (``Functional.__init__() missing ... 'inputs' and 'outputs'``).
-    A functional instance is made of this class instead (one per ``cls``,
-    with its name, module and registered name), which leaves the ancestors
-    as they are. It is the class's attribute ``_keras_functional_form``,
-    where pickle finds it.
+    ``Model.__init__`` assigns ``Functional`` into the ``__bases__`` of a subclass built
+    from inputs and outputs and of its ancestors (``inject_functional_model_class``), after
+    which a subclass written the subclassing way fails to construct (``Functional.__init__()
+    missing ... 'inputs' and 'outputs'``). Functional instances are made of this class
+    instead (one per ``cls``, with its name, module and registered name), leaving the
+    ancestors alone. Pickle finds it as ``cls._keras_functional_form``.
     """
-    if cls not in _FUNCTIONAL_FORMS:
-        # Found by pickle (Keras pickles a model's class method) as an
-        # attribute of ``cls`` in its module.
+    if _FORM_ATTRIBUTE not in vars(cls):
         qualname = f"{cls.__qualname__}.{_FORM_ATTRIBUTE}"
         namespace = {"__module__": cls.__module__, "__qualname__": qualname, "__doc__": cls.__doc__}
         form = type(cls.__name__, (cls, Functional), namespace)
@@ -332,12 +286,8 @@ def functional_form(cls):
         if ">" in registered:
             package, name = registered.split(">", 1)
             keras.saving.register_keras_serializable(package=package, name=name)(form)
-        _FUNCTIONAL_FORMS[cls] = form
         _WRITTEN_CLASSES[form] = cls
-    return _FUNCTIONAL_FORMS[cls]
-
-
-_WRITTEN_CLASSES = {}
+    return vars(cls)[_FORM_ATTRIBUTE]
 
 
 def written_class(model):
@@ -377,16 +327,10 @@ def set_optimizer_own_iterations(optimizer, value):
     optimizer._iterations = value
 
 
-# ----------------------------------------------------------------------------
-# TensorFlow internals with no public route
-# ----------------------------------------------------------------------------
-
-
 def strategy_supports_no_merge_call():
     """Whether the current strategy allows collectives in a replica-context conditional.
 
-    TensorFlow exposes the test only under ``tf.__internal__``; Keras's own
-    ``LossScaleOptimizer`` makes it.
+    Keras's ``LossScaleOptimizer`` makes this test, exposed only under ``tf.__internal__``.
     """
     return tf.__internal__.distribute.strategy_supports_no_merge_call()
 
@@ -394,9 +338,7 @@ def strategy_supports_no_merge_call():
 def in_xla_compilation():
     """Whether the function being traced is XLA-compiled (``jit_compile``, or inside one).
 
-    ``tf.function(jit_compile=True)`` traces its body in an XLA control-flow
-    context; TensorFlow's own ops test it with ``control_flow_util``, which it
-    does not export.
+    TensorFlow's own ops test it with ``control_flow_util``, which it does not export.
     """
     from tensorflow.python.ops import control_flow_util
 
@@ -406,11 +348,6 @@ def in_xla_compilation():
 def in_multi_worker_mode(strategy):
     """Whether ``strategy`` spans several workers (``extended._in_multi_worker_mode``)."""
     return strategy.extended._in_multi_worker_mode()
-
-
-# ----------------------------------------------------------------------------
-# What differs between the supported Keras versions
-# ----------------------------------------------------------------------------
 
 
 def batchnorm_takes(argument):
@@ -424,11 +361,9 @@ def batchnorm_takes(argument):
 def compute_training_loss(model, x, y, y_pred, sample_weight):
     """``model.compute_loss(...)`` in training mode, divided by the replicas in sync.
 
-    Keras 3.4 added ``compute_loss``'s ``training`` argument; it is passed
-    only where ``compute_loss`` (Keras's or an override) takes it, as Keras's
-    own train step does. Keras 3.8 made the loss the replica's share of the
-    global loss (divided by the replicas in sync, whose gradients are
-    summed); before, it is the replica's own mean, divided here.
+    Keras 3.4 added ``compute_loss``'s ``training`` argument; it is passed only where
+    ``compute_loss`` (Keras's or an override) takes it, as Keras's train step does. For
+    the division see :func:`replicas_dividing_the_training_loss`.
     """
     kwargs = dict(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
     if "training" in inspect.signature(model.compute_loss).parameters:
@@ -439,9 +374,7 @@ def compute_training_loss(model, x, y, y_pred, sample_weight):
 def per_replica(values):
     """A ``tf.distribute`` per-replica value of ``values`` (one tensor per local replica).
 
-    What ``strategy.run`` hands each replica its own entry of; TensorFlow
-    exports no constructor for it (its distributed dataset iterators make
-    them).
+    ``strategy.run`` hands each replica its entry; TensorFlow exports no constructor for it.
     """
     from tensorflow.python.distribute.values import PerReplica
 
@@ -451,18 +384,11 @@ def per_replica(values):
 def reduce_replica_logs(logs, strategy):
     """The logs of ``strategy.run`` of a train step, reduced as Keras's own train function does.
 
-    Keras's ``reduce_per_replica`` (``reduction="auto"``), which its
-    TensorFlow trainer applies to every step's outputs and exports no name
-    for.
+    With the TensorFlow trainer's private ``reduce_per_replica`` (``reduction="auto"``).
     """
     from keras.src.backend.tensorflow.trainer import reduce_per_replica
 
     return reduce_per_replica(logs, strategy, reduction="auto")
-
-
-# ----------------------------------------------------------------------------
-# What differs between the supported Keras versions
-# ----------------------------------------------------------------------------
 
 
 def keras_version():
@@ -493,22 +419,19 @@ def functional_from_config_keeps_arguments():
 def replicas_dividing_the_training_loss():
     """What :func:`compute_training_loss` divides the loss by: the replicas in sync, or 1.
 
-    Keras 3.8 made the loss the replica's share of the global loss; before,
-    it is the replica's own mean, and :func:`compute_training_loss` divides
-    it here.
+    Keras 3.8 made the loss the replica's share of the global loss (the replicas'
+    gradients are summed); before, it is the replica's own mean, divided here.
     """
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
     return float(replicas) if keras_version() < (3, 8) and replicas > 1 else 1.0
 
 
 def build_compiled_metrics_outside_trace(model, y, y_pred):
-    """Builds the compiled metrics of Keras < 3.5 outside the traced step.
+    """Builds the compiled metrics (``_compile_metrics``) of Keras < 3.5 outside the traced step.
 
-    Keras < 3.5 builds them in the first traced step (a private attribute,
-    ``_compile_metrics``). Variables created there put the whole step
-    inside TensorFlow's lazy-initialization conditional, where the update's
-    ``merge_call`` fails under tf.distribute: they are created in
-    ``tf.init_scope()`` instead. Does nothing on later versions.
+    Built in the first traced step, their variables put the step inside TensorFlow's
+    lazy-initialization conditional, where the update's ``merge_call`` fails under
+    tf.distribute. Does nothing on later versions.
     """
     compiled_metrics = getattr(model, "_compile_metrics", None)
     if builds_before_first_trace() or compiled_metrics is None or compiled_metrics.built:
@@ -534,13 +457,10 @@ def batchnorm_reduction_axes(layer):
 
 
 def scatter_add_in_place(variable, slices):
-    """Adds ``slices`` (``tf.IndexedSlices``) into ``variable``, in place.
+    """Adds ``slices`` (``tf.IndexedSlices``) into ``variable``, in place; duplicates summed.
 
-    Duplicate indices are summed. ``variable.scatter_add`` refuses replica-local
-    (``ON_READ``) variables under a strategy, although each replica writes only
-    its own copy; in replica context ``variable.handle`` is that copy, and the
-    scatter is TensorFlow's own in-place op on it (without a strategy, the
-    variable itself).
+    ``variable.scatter_add`` refuses replica-local (``ON_READ``) variables under a
+    strategy; in replica context ``variable.handle`` is the replica's own copy.
     """
     return tf.raw_ops.ResourceScatterAdd(
         resource=variable.handle,
@@ -552,8 +472,7 @@ def scatter_add_in_place(variable, slices):
 def replace_optimizer_all_reduce(optimizer, replacement):
     """Makes ``optimizer``'s own all-reduce of gradients ``replacement`` (``None``: Keras's again).
 
-    See :data:`OPTIMIZER_ALL_REDUCE_METHOD`; the instance attribute shadows
-    the class's method.
+    An instance attribute shadows :data:`OPTIMIZER_ALL_REDUCE_METHOD`.
     """
     if replacement is None:
         vars(optimizer).pop(OPTIMIZER_ALL_REDUCE_METHOD, None)
@@ -565,14 +484,10 @@ def replace_optimizer_all_reduce(optimizer, replacement):
 def custom_gradients_dropped():
     """Drops the custom gradients that TensorFlow registers inside the block, on leaving it.
 
-    ``tf.custom_gradient`` in a traced function registers its gradient
-    function in TensorFlow's global gradient registry for good, and that
-    function holds the traced graph and, through its captures, every
-    variable the graph reads (tensorflow/tensorflow#97697, #80895): a
-    model trained with ``fit`` (Keras's optimizer all-reduces through one)
-    keeps its weights and optimizer state in memory after it is deleted.
-    No public API removes them; the registry is ``ops._gradient_registry``.
-    Use only around functions that are not called after the block.
+    A traced ``tf.custom_gradient`` stays in the global registry (``ops._gradient_registry``,
+    no public API removes it) with every variable its graph reads
+    (tensorflow/tensorflow#97697, #80895): a model trained with ``fit`` (Keras's all-reduce
+    uses one) stays in memory after it is deleted. Only around functions not called after.
     """
     from tensorflow.python.framework import ops as tf_ops
 

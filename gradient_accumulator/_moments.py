@@ -179,19 +179,9 @@ def _divider(denominator):
 def _element_count(x, axes):
     """The number of entries of ``x`` over ``axes``: a Python int where the shape is known.
 
-    Otherwise a float32 tensor: the product of the unknown sizes times that
-    of the known ones (integers, exact below ``2 ** 31``).
+    Otherwise a float32 tensor, of the product of the sizes (integers, exact below ``2 ** 31``).
     """
-    known, unknown = 1, []
+    count = 1
     for axis in axes:
-        size = x.shape[axis]
-        if size is None:
-            unknown.append(ops.shape(x)[axis])
-        else:
-            known *= size
-    if not unknown:
-        return known
-    count = known
-    for size in unknown:
-        count = count * size
-    return ops.cast(count, _STATS_DTYPE)
+        count = count * (ops.shape(x)[axis] if x.shape[axis] is None else x.shape[axis])
+    return count if isinstance(count, int) else ops.cast(count, _STATS_DTYPE)

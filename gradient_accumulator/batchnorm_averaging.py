@@ -13,15 +13,7 @@ _AVERAGE_FUNCTIONS = weakref.WeakKeyDictionary()
 
 
 def _averaged_batchnorms(model):
-    """The BatchNormalization layers whose replicas' copies can differ.
-
-    Built layers of ``model`` (at any depth) that normalise each replica's
-    shard on their own and update their copies at every training call:
-    Keras's ``BatchNormalization`` and ``AccumBatchNormalization`` with
-    ``accum_steps=1``, unless ``synchronized=True``. An
-    ``AccumBatchNormalization`` with ``accum_steps > 1`` is left out: it merges
-    every replica's statistics at each update, so its copies are equal.
-    """
+    """The layers :func:`average_batchnorm_statistics` averages (built, at any depth)."""
     return [
         layer
         for layer in sublayers(model)
@@ -43,12 +35,10 @@ def average_batchnorm_statistics(model):
     replaces every copy by the mean over replicas, in one batched all-reduce.
     The averaged mean is the moving mean of the global batches when shards
     are equal; the averaged variance misses the spread between replicas'
-    means (``synchronized=True``, or ``AccumBatchNormalization`` with
-    ``accum_steps > 1``, which merges its replicas' statistics exactly at
-    every update, give the global statistics).
+    means. Layers whose copies are equal anyway, with the global statistics,
+    are left alone: synchronized ones, and ``AccumBatchNormalization`` with
+    ``accum_steps > 1`` (it merges its replicas' statistics exactly at every update).
 
-    Layers whose copies are equal anyway are left alone: synchronized ones,
-    and ``AccumBatchNormalization`` with ``accum_steps > 1``.
     ``GradientAccumulateModel.fit`` calls this by itself (see
     :class:`AverageBatchNormStatistics`); call it in a custom loop before
     evaluating or saving.

@@ -21,20 +21,6 @@ def _is_graph_model(layer):
     return isinstance(layer, (Functional, keras.Sequential))
 
 
-def _sublayers(layer):
-    """Every layer inside ``layer``, at any depth, not ``layer`` itself.
-
-    Keras's own recursive walk (``_compat.sublayers``; it also sees layers
-    held as attributes of custom layers); Keras offers no public equivalent.
-    """
-    return sublayers(layer)
-
-
-def _children(layer):
-    """The layers directly inside ``layer`` (input layers included)."""
-    return sublayers(layer, recursive=False)
-
-
 def _is_input_layer(layer):
     return isinstance(layer, keras.layers.InputLayer)
 
@@ -45,35 +31,25 @@ def _check_model(model, restore=False):
             "`model` must be a Keras Functional or Sequential model. "
             f"Received: model={model!r} of type {type(model).__name__}"
         )
-    if not _is_graph_model(model) and restore:
-        raise ValueError(
-            "`model` must be a Functional or Sequential model: a subclassed "
-            "model's layers are connected only inside its `call()`, so they "
-            "cannot be rewritten from the outside. Instead, build the same "
-            "class with `keras.layers.BatchNormalization` where it has "
-            "`AccumBatchNormalization` and copy the weights (the first four of "
-            "each such layer's `get_weights()`). Received: "
-            f"model={model.name!r} of type {type(model).__name__}"
-        )
     if not _is_graph_model(model):
+        instead = (
+            "build the same class with `keras.layers.BatchNormalization` where it has "
+            "`AccumBatchNormalization` and copy the weights (the first four of each such "
+            "layer's `get_weights()`)"
+            if restore
+            else "create its normalization layers as `AccumBatchNormalization(accum_steps=...)` "
+            "in its `__init__` (a drop-in subclass of `keras.layers.BatchNormalization`)"
+        )
         raise ValueError(
-            "`model` must be a Functional or Sequential model: a subclassed "
-            "model's layers are connected only inside its `call()`, so they "
-            "cannot be rewritten from the outside. Instead, create its "
-            "normalization layers as `AccumBatchNormalization("
-            "accum_steps=...)` in its `__init__` (a drop-in subclass of "
-            "`keras.layers.BatchNormalization`). Received: "
-            f"model={model.name!r} of type {type(model).__name__}"
+            "`model` must be a Functional or Sequential model: a subclassed model's layers "
+            "are connected only inside its `call()`, so they cannot be rewritten from the "
+            f"outside. Instead, {instead}. Received: model={model.name!r} of type "
+            f"{type(model).__name__}"
         )
 
 
 def _check_wrapper_accum_steps(model, accum_steps):
-    """Refuses layers whose ``accum_steps`` would differ from their wrapper's.
-
-    Inside a ``GradientAccumulateModel`` every ``AccumBatchNormalization``
-    must have the model's ``accum_steps`` (the model refuses any other), so a
-    mismatch is refused here, where it would be created, not at ``fit``.
-    """
+    """Refuses layers whose ``accum_steps`` would differ from their wrapper's (as ``fit`` would)."""
     if isinstance(model, GradientAccumulateModel) and model.accum_steps != accum_steps:
         raise ValueError(
             f"Model {model.name!r} is a GradientAccumulateModel with "
@@ -87,14 +63,10 @@ def _check_wrapper_accum_steps(model, accum_steps):
 
 
 def _check_batchnorms_reachable(model, restore=False):
-    """Refuses BatchNormalization layers that graph cloning cannot replace.
+    """Refuses BatchNormalization layers (``restore``: AccumBatchNormalization) out of reach.
 
-    Cloning rebuilds the layers of Functional and Sequential models (nested
-    ones included) one by one; any other layer (a custom layer, a wrapper
-    such as ``TimeDistributed``, a nested subclassed model) is rebuilt whole
-    from its config, with whatever BatchNormalization it holds inside.
-    ``restore``: the layers to reach are ``AccumBatchNormalization`` only
-    (:func:`restore_batchnorm_layers`).
+    Cloning rebuilds the layers of Functional and Sequential models one by one; any other
+    layer (a custom layer, ``TimeDistributed``, a subclassed model) whole from its config.
     """
     kind = AccumBatchNormalization if restore else _BATCH_NORM
     hidden = {}
@@ -104,45 +76,35 @@ def _check_batchnorms_reachable(model, restore=False):
             if _is_graph_model(layer):
                 stack.append(layer)
             elif not isinstance(layer, _BATCH_NORM):
-                inner = [sub.name for sub in _sublayers(layer) if isinstance(sub, kind)]
+                inner = [sub.name for sub in sublayers(layer) if isinstance(sub, kind)]
                 if inner:
                     hidden[f"{layer.name} ({type(layer).__name__})"] = inner
-    if hidden and restore:
-        raise ValueError(
-            "Some AccumBatchNormalization layers sit inside layers that are not "
-            "Functional or Sequential models, where graph cloning cannot "
-            "replace them. Create them as `keras.layers.BatchNormalization` in "
-            "those layers' code for the plain Keras model (same weights: copy "
-            "the first four of each layer's `get_weights()`), or rebuild those "
-            "parts as Functional models. Received: model="
-            f"{model.name!r} with AccumBatchNormalization inside {hidden}"
-        )
     if hidden:
+        create = (
+            "`keras.layers.BatchNormalization` in those layers' code for the plain Keras model "
+            "(same weights: copy the first four of each layer's `get_weights()`)"
+            if restore
+            else "`AccumBatchNormalization(accum_steps=...)` in those layers' code (a drop-in "
+            "subclass of `keras.layers.BatchNormalization`)"
+        )
         raise ValueError(
-            "Some BatchNormalization layers sit inside layers that are not "
-            "Functional or Sequential models, where graph cloning cannot "
-            "replace them. Create them as `AccumBatchNormalization("
-            "accum_steps=...)` in those layers' code (a drop-in subclass of "
-            "`keras.layers.BatchNormalization`), or rebuild those parts as "
-            "Functional models. Received: model="
-            f"{model.name!r} with BatchNormalization inside {hidden}"
+            f"Some {kind.__name__} layers sit inside layers that are not Functional or "
+            "Sequential models, where graph cloning cannot replace them. Create them as "
+            f"{create}, or rebuild those parts as Functional models. Received: "
+            f"model={model.name!r} with {kind.__name__} inside {hidden}"
         )
 
 
 def _fresh_inputs(model):
-    """New inputs for a Functional clone, named as ``model``'s input layers.
+    """New inputs for a Functional clone, each ``model``'s ``InputLayer`` rebuilt from its config.
 
     Keras's ``clone_model`` names new input layers after the input *tensors*
-    (``keras_tensor_3`` for an unnamed ``keras.Input``); rebuilding each
-    ``InputLayer`` from its config keeps the layer's name, shape, dtype and
-    ``sparse``/``ragged``/``optional`` flags. ``None`` (Keras's own inputs)
-    for Sequential models, whose clone already keeps them, and for inputs
-    that do not come from an ``InputLayer`` of ``model``.
+    (``keras_tensor_3``). ``None`` (Keras's own inputs) for Sequential models, whose clone
+    keeps them, and for inputs that do not come from an ``InputLayer`` of ``model``.
     """
     if isinstance(model, keras.Sequential):
         return None
     input_layers = [layer for layer in model.layers if _is_input_layer(layer)]
-
     missing = []
 
     def fresh(tensor):
@@ -156,22 +118,13 @@ def _fresh_inputs(model):
     return None if missing else inputs
 
 
-def _accum_batchnorm_arguments():
-    """Names accepted by ``AccumBatchNormalization``: its own and the base layer's."""
-    own = set(inspect.signature(AccumBatchNormalization.__init__).parameters)
-    return (own - {"self", "kwargs"}) | set(_BATCH_NORM().get_config())
+def _weights_to_copy(layer):
+    """``layer.get_weights()``, an AccumBatchNormalization's without its accumulation state.
 
-
-def _keras_batchnorm_weights(layer):
-    """The Keras BatchNormalization weights of ``layer``, in Keras's order.
-
-    An ``AccumBatchNormalization`` keeps them first in ``weights``; its
-    accumulation state (the rest) is left out, so the new layer starts with
-    an empty group.
+    Keras's four come first; the copy starts with an empty group.
     """
     weights = layer.get_weights()
     if isinstance(layer, AccumBatchNormalization):
-        # Our own layer's list of its accumulation variables.
         weights = weights[: len(weights) - len(layer.accumulation_variables)]
     return weights
 
@@ -185,7 +138,10 @@ class _Rewriter:
         # Restoring: AccumBatchNormalization back to Keras's layer (which
         # takes the arguments of its own config only); other layers cloned.
         self.restore = restore
-        self.allowed = set(_BATCH_NORM().get_config()) if restore else _accum_batchnorm_arguments()
+        self.allowed = set(_BATCH_NORM().get_config())
+        if not restore:
+            own = inspect.signature(AccumBatchNormalization.__init__).parameters
+            self.allowed |= set(own) - {"self", "kwargs"}
         # id(original) -> (original, clone); the original is kept so that its
         # id cannot be reused. Shared layers and nested models shared between
         # several places are cloned once, at any depth.
@@ -258,17 +214,14 @@ class _Rewriter:
         # every sublayer. So every layer gets its original's flag, parents
         # first (`_flatten_layers` lists a layer before its sublayers).
         clones = self._all_clones(model, new_model)
-        for original in [model, *_sublayers(model)]:
+        for original in [model, *sublayers(model)]:
             clone = clones.get(id(original))
             if clone is not None:
                 clone.trainable = original.trainable
         for original, clone in self.pairs.values():
-            if _is_graph_model(original) or not original.weights:
-                continue  # a nested model's layers are pairs of their own
-            if isinstance(original, _BATCH_NORM):
-                clone.set_weights(_keras_batchnorm_weights(original))
-            else:
-                clone.set_weights(original.get_weights())
+            # A nested model's layers are pairs of their own.
+            if not _is_graph_model(original) and original.weights:
+                clone.set_weights(_weights_to_copy(original))
 
     def _all_clones(self, model, new_model):
         """id(original) -> clone, for every layer whose clone can be found.
@@ -281,12 +234,14 @@ class _Rewriter:
         clones.update((key, clone) for key, (_, clone) in self.pairs.items())
         for original, clone in [(model, new_model), *self.pairs.values()]:
             if _is_graph_model(original):
-                inputs = {layer.name: layer for layer in _children(clone) if _is_input_layer(layer)}
-                for layer in _children(original):
+                inputs = {
+                    x.name: x for x in sublayers(clone, recursive=False) if _is_input_layer(x)
+                }
+                for layer in sublayers(original, recursive=False):
                     if _is_input_layer(layer) and layer.name in inputs:
                         clones[id(layer)] = inputs[layer.name]
             else:
-                inner, new_inner = _sublayers(original), _sublayers(clone)
+                inner, new_inner = sublayers(original), sublayers(clone)
                 if [type(x) for x in inner] == [type(x) for x in new_inner]:
                     clones.update(zip(map(id, inner), new_inner))
         return clones
@@ -414,28 +369,32 @@ def replace_batchnorm_layers(
     _check_batchnorms_reachable(model)
 
     rewriter = _Rewriter(accum_steps, synchronized)
+    new_model = rewriter.clone(_plain_view(model))
     accumulating = isinstance(model, GradientAccumulateModel)
-    if accumulating:
-        # Keras's clone would rebuild it as `GradientAccumulateModel(inputs,
-        # outputs, name=...)`, every wrapper argument at its default: clone a
-        # plain functional view of the same graph (same layers), then wrap the
-        # copy with the wrapper's own arguments.
-        view = keras.Model(inputs=model.input, outputs=model.output, name=model.name)
-        new_model = rewriter.clone(view)
+    if accumulating:  # wrapped again, with the wrapper's own arguments
         new_model = GradientAccumulateModel(
             inputs=new_model.input,
             outputs=new_model.output,
             name=model.name,
             **model.wrapper_config(),
         )
-    else:
-        new_model = rewriter.clone(model)
     rewriter.copy_state(model, new_model)
     if accumulating and model.compiled:
         # After the `trainable` flags: compiling sizes the gradient sums.
         new_model.compile_from_config(model.get_compile_config())
     rewriter.warn(model, new_model)
     return new_model
+
+
+def _plain_view(model):
+    """``model``; a ``GradientAccumulateModel`` as a plain functional model of the same layers.
+
+    Keras's clone would rebuild the wrapper as ``GradientAccumulateModel(inputs, outputs,
+    name=...)``, every wrapper argument at its default.
+    """
+    if not isinstance(model, GradientAccumulateModel):
+        return model
+    return keras.Model(inputs=model.input, outputs=model.output, name=model.name)
 
 
 def _pending_group(model):
@@ -447,7 +406,7 @@ def _pending_group(model):
         pending.append(f"the gradients of {steps} micro-step(s)")
     layers = [
         layer.name
-        for layer in _sublayers(model)
+        for layer in sublayers(model)
         if isinstance(layer, AccumBatchNormalization)
         and getattr(layer, "pending_count", None) is not None
         and np.any(layer.pending_count.numpy() > 0)
@@ -536,13 +495,8 @@ def restore_batchnorm_layers(model: keras.Model) -> keras.Model:
     _check_batchnorms_reachable(model, restore=True)
     pending = _pending_group(model)
     rewriter = _Rewriter(accum_steps=1, synchronized=False, restore=True)
+    new_model = rewriter.clone(_plain_view(model))
     accumulating = isinstance(model, GradientAccumulateModel)
-    if accumulating:
-        # A plain functional view of the same graph (same layers) is cloned.
-        view = keras.Model(inputs=model.input, outputs=model.output, name=model.name)
-        new_model = rewriter.clone(view)
-    else:
-        new_model = rewriter.clone(model)
     rewriter.copy_state(model, new_model)
     if model.compiled:
         new_model.compile_from_config(_plain_compile_config(model))

@@ -49,17 +49,12 @@ def _identity(grads_and_vars):
 def gradients_already_reduced(optimizer):
     """Within, ``optimizer.apply`` takes its gradients as already all-reduced.
 
-    Keras's TensorFlow optimizer sums gradients across replicas inside
-    ``apply``, *after* clipping them: under a strategy, ``clipnorm`` and
-    ``global_clipnorm`` clip each replica's share instead of the gradient.
-    The accumulation engine all-reduces the group's gradient itself (once per
-    update, weight sums included) and hands every replica the global mean, so
-    clipping and everything else in ``apply`` sees what it sees on one device.
-    Keras has no public switch for its all-reduce; this replaces the private
-    ``_all_reduce_sum_gradients`` on the instances (the optimizer and any
-    optimizer it wraps) for the duration of the trace. Replicas of one
-    process trace in threads of their own, so entries are counted: the patch
-    stays until the last one leaves.
+    Keras's TensorFlow optimizer sums gradients across replicas inside ``apply``, *after*
+    clipping them (``clipnorm`` would clip each replica's share). The engine all-reduces the
+    group's gradient itself, once per update, and hands every replica the global mean, so
+    this replaces Keras's all-reduce (``_compat.OPTIMIZER_ALL_REDUCE_METHOD``) on the
+    optimizer and those it wraps while tracing. Replicas trace in threads of their own, so
+    entries are counted: the patch stays until the last one leaves.
     """
     chain = optimizer_chain(optimizer)
     with _patch_lock:
@@ -85,9 +80,7 @@ def supports_collectives_in_conditionals():
     MultiWorkerMirroredStrategy, True only while tracing an XLA-compiled step
     whose devices are all GPUs; False otherwise (CPUs, or no XLA), where
     their collectives go through ``merge_call``. False for other strategies
-    (e.g. OneDeviceStrategy). This is the test Keras's own
-    LossScaleOptimizer makes; TensorFlow exposes it only under
-    ``tf.__internal__`` (``strategy_supports_no_merge_call``).
+    (e.g. OneDeviceStrategy). Keras's ``LossScaleOptimizer`` makes the same test.
     """
     return strategy_supports_no_merge_call()
 
@@ -169,13 +162,9 @@ def sum_across_replicas_if(condition, values, fn):
     ``condition`` holds (a micro-step that does not update communicates
     nothing). Call it in replica context, in every replica.
 
-    Where collectives may sit in a replica-context conditional (no strategy,
-    or an XLA-compiled step on GPUs only), the conditional stays in the
-    replica (:func:`sum_in_replica`). Elsewhere (``MirroredStrategy``,
-    ``MultiWorkerMirroredStrategy`` on CPUs) it is taken in cross-replica
-    context and re-enters the replicas (:func:`_sum_if_in_cross_replica`),
-    the pattern of Keras's ``LossScaleOptimizer``: ``fn`` may then call
-    ``merge_call`` itself, as Keras optimizers do.
+    Where :func:`supports_collectives_in_conditionals`, the conditional stays in the
+    replica; elsewhere it is taken in cross-replica context and re-enters the replicas
+    (module docstring): ``fn`` may then call ``merge_call`` itself, as Keras optimizers do.
 
     A Python ``bool`` condition (a micro-step whose place in its group is
     known when it is traced, as in a function that runs a whole group) needs

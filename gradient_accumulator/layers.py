@@ -23,14 +23,9 @@ from gradient_accumulator.validation import (
 )
 
 # Name of every variable this layer adds to Keras BatchNormalization's, in
-# creation (and therefore `weights`) order.
-_ACCUMULATION_VARIABLES = (
-    "pending_count",
-    "pending_shift",
-    "pending_mean_offset",
-    "pending_m2",
-    "micro_step",
-)
+# creation (and therefore `weights`) order: the pending statistics, then the counter.
+_PENDING = ("pending_count", "pending_shift", "pending_mean_offset", "pending_m2")
+_ACCUMULATION_VARIABLES = (*_PENDING, "micro_step")
 
 
 def _check_axis_type(axis):
@@ -229,10 +224,8 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
                 name=name,
             )
 
-        self.pending_count = state("pending_count")
-        self.pending_shift = state("pending_shift")
-        self.pending_mean_offset = state("pending_mean_offset")
-        self.pending_m2 = state("pending_m2")
+        for name in _PENDING:
+            setattr(self, name, state(name))
         self.micro_step = state("micro_step", shape=(), dtype="int64")
 
     def call(self, inputs, training=None, mask=None):
@@ -274,16 +267,9 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
     def apply_pending_statistics(self, is_update_step=None):
         """Moves the pending statistics into the moving statistics if due.
 
-        Where ``is_update_step`` is true, every channel with
-        ``pending_count > 0`` gets::
-
-            moving_mean     = momentum * moving_mean
-                              + (1 - momentum) * (pending_shift + pending_mean_offset)
-            moving_variance = momentum * moving_variance
-                              + (1 - momentum) * pending_m2 / pending_count
-
-        and ``pending_*`` and ``micro_step`` are reset to 0. Where it is false
-        nothing changes (bit-identical). Graph-safe: tensor decisions go
+        Where ``is_update_step`` is true, makes the update of the class docstring (the
+        moving statistics from the pending ones, then the five reset to 0); where it is
+        false nothing changes (bit-identical). Graph-safe: tensor decisions go
         through ``ops.where``, with no conditional or collective, so it runs
         eagerly, under ``tf.function``, XLA ``jit_compile`` and in a replica
         context. Does nothing with ``accum_steps=1`` (no pending state), on
@@ -302,9 +288,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             return
         if is_update_step is False:
             return  # known when traced: a micro-step that only accumulates
-        if is_update_step is None:
-            is_update_step = True
-        is_update_step = ops.convert_to_tensor(is_update_step, "bool")
+        is_update_step = ops.convert_to_tensor(is_update_step is None or is_update_step, "bool")
         count = self.pending_count.value
         self._update_moving_statistics(
             is_update_step,
@@ -317,13 +301,10 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
     def merges_replicas_at_update(self):
         """Whether each replica holds pending statistics of its own, merged at the update.
 
-        True for a layer with ``accum_steps > 1`` and ``synchronized=False``
-        under a strategy with several replicas (read in replica context,
-        while a train step is traced): each replica accumulates its own
-        shard's statistics, and at the update every replica's are merged
+        True for a trainable, built layer with ``accum_steps > 1`` and ``synchronized=False``
+        in the replica context of several replicas. At the update every replica's are merged
         (:meth:`pending_replica_summary`, summed over the replicas, then
-        :meth:`apply_replica_summaries`), so that every replica's moving
-        statistics become those of the global accumulated batch.
+        :meth:`apply_replica_summaries`), so that all hold the global accumulated batch's.
         """
         if self.accum_steps == 1 or self.synchronized or not self.built or not self.trainable:
             return False
@@ -340,14 +321,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         Call in replica context.
         """
         replica_context = tf.distribute.get_replica_context()
-        local = ops.stack(
-            [
-                self.pending_count.value,
-                self.pending_shift.value,
-                self.pending_mean_offset.value,
-                self.pending_m2.value,
-            ]
-        )
+        local = ops.stack([getattr(self, name).value for name in _PENDING])
         row = ops.one_hot(
             replica_context.replica_id_in_sync_group,
             replica_context.num_replicas_in_sync,
@@ -362,11 +336,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         :meth:`pending_replica_summary`. The replicas' ``(count, mean, m2)``
         are merged with Chan's formula from a common origin (no
         ``E[x^2] - E[x]^2`` cancellation; unequal or empty shards weighted by
-        their counts), and every replica applies the same result::
-
-            moving_mean     = momentum * moving_mean     + (1 - momentum) * mean(B)
-            moving_variance = momentum * moving_variance + (1 - momentum) * var(B)
-
+        their counts), and every replica makes the update of the class docstring
         with ``B`` the global accumulated batch (every replica's micro-batches
         of the group). Call in replica context, in every replica.
         """
@@ -380,10 +350,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
     def _update_moving_statistics(self, is_update_step, count, mean, variance):
         """Keras's moving-average update where ``is_update_step`` and ``count > 0``."""
         due = ops.logical_and(is_update_step, ops.greater(count, 0.0))
-        for moving, batch in (
-            (self.moving_mean, mean),
-            (self.moving_variance, variance),
-        ):
+        for moving, batch in ((self.moving_mean, mean), (self.moving_variance, variance)):
             old = ops.cast(moving.value, "float32")
             # Keras's formula, term for term.
             new = old * self.momentum + batch * (1.0 - self.momentum)
@@ -391,12 +358,8 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
 
     def _reset_pending(self, is_update_step):
         """Empties the pending statistics and ``micro_step`` where ``is_update_step``."""
-        for pending in (
-            self.pending_count,
-            self.pending_shift,
-            self.pending_mean_offset,
-            self.pending_m2,
-        ):
+        for name in _PENDING:
+            pending = getattr(self, name)
             pending.assign(ops.where(is_update_step, 0.0, pending.value))
         self.micro_step.assign(
             ops.where(is_update_step, ops.zeros((), "int64"), self.micro_step.value)
@@ -442,10 +405,8 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             and replica_context is not None
             and replica_context.num_replicas_in_sync > 1
         ):
-            # One collective: gather every replica's summary (replicas x 4 x C)
-            # and merge them exactly; no E[x^2] - E[x]^2 cancellation, and
-            # unequal or empty shards are weighted by their counts. Every
-            # replica merges the same tensor, so all get the same result.
+            # One collective gathers every replica's summary (replicas x 4 x C);
+            # every replica merges the same tensor, so all get the same result.
             replicas = replica_context.num_replicas_in_sync
             local = ops.expand_dims(ops.stack([count, mean, residual, m2]), 0)
             gathered = ops.reshape(  # restores the static shape all_gather drops

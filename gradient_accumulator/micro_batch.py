@@ -14,15 +14,7 @@ import tensorflow as tf
 from gradient_accumulator._compat import custom_gradients_dropped, in_multi_worker_mode
 from gradient_accumulator.validation import check_positive_integer
 
-_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-}
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 _MIB = 2**20
 TRIED_CALLS = 2  # train-function calls per try
 
@@ -376,11 +368,7 @@ def choose_micro_batch(
         tries.append(MicroBatchTry(micro_batch, peak, fits))
         return fits
 
-    # The whole batch first (a budget that fits it costs one try), then the
-    # next divisor (often half of it), then a bisection over the smaller
-    # divisors that the replicas divide: the peak grows with the
-    # micro-batch, so the largest that fits is found in about
-    # 2 + log2(divisors) tries.
+    # The order of the docstring, over the divisors that the replicas divide.
     best = batch_size if attempt(batch_size) else None
     smaller = [m for m in range(1, batch_size) if not batch_size % m and not m % replicas]
     if best is None and smaller:

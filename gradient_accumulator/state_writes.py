@@ -53,22 +53,6 @@ def _skipped(value, *args, **kwargs):
     return value
 
 
-def _symbolic(structure):
-    return [
-        t
-        for t in tf.nest.flatten(structure, expand_composites=True)
-        if tf.is_tensor(t) and not is_eager_tensor(t)
-    ]
-
-
-def _outer(tensor):
-    """The tensor of the enclosing graph that ``tensor`` (a function's capture) stands for."""
-    for external, internal in getattr(tensor.graph, "captures", ()):
-        if internal is tensor:
-            return external
-    return None
-
-
 def depends_on(tensor, sources):
     """Whether the symbolic ``tensor`` is computed from any tensor of ``sources`` (refs).
 
@@ -84,10 +68,9 @@ def depends_on(tensor, sources):
             continue  # a captured constant has no ancestors
         seen.add(current.ref())
         stack.extend(current.op.inputs)
-        if current.op.type == "Placeholder":
-            outer = _outer(current)
-            if outer is not None:
-                stack.append(outer)
+        if current.op.type == "Placeholder":  # a capture: the enclosing graph's tensor
+            captures = getattr(current.graph, "captures", ())
+            stack.extend(external for external, internal in captures if internal is current)
     return False
 
 
@@ -143,10 +126,8 @@ class StateWrites:
     def once_per_update(self, inputs, is_first):
         """Within, the model's state is written as the big batch's one training call writes it.
 
-        Enter around the forward pass of a micro-step, in replica context. A
-        write whose value depends on the layer's state only is made where
-        ``is_first`` and skipped elsewhere; one that depends on ``inputs``
-        (the micro-batch's) is refused.
+        Enter around the forward pass of a micro-step, in replica context; the rule is the
+        module docstring's.
 
         Args:
             inputs: The micro-batch's model inputs (a structure of tensors).
@@ -165,14 +146,10 @@ class StateWrites:
     def replayed(self):
         """Within, a training call writes none of the model's state but its seed generators'.
 
-        For a forward pass that repeats one already made (the second pass of
-        a group whose loss couples its samples,
-        :mod:`gradient_accumulator.coupled`): the first made the writes, a
-        BatchNormalization layer's statistics included; the repeat computes
-        what the first computed from the state the first left (a layer that
-        writes, then reads its variable, reads what the first wrote). The
-        seed generators' states are the caller's to set, so that the repeat
-        draws the first's random numbers.
+        For a forward pass that repeats one already made (:mod:`gradient_accumulator.coupled`),
+        which made the writes (BatchNormalization's included): a layer that writes, then reads
+        its variable, reads what the first wrote. The caller sets the seed generators' states,
+        so that the repeat draws the first's random numbers.
         """
         if self._replayed is None:
             seeds = {id(v) for v in seed_generator_states(self._model)}
@@ -209,8 +186,9 @@ class StateWrites:
     @contextlib.contextmanager
     def _frame(self, inputs, is_first, recording):
         # Replicas trace in threads of their own: each pushes its own frame.
-        frame = {"sources": {t.ref() for t in _symbolic(inputs)}, "is_first": is_first}
-        frame["recording"] = recording
+        leaves = tf.nest.flatten(inputs, expand_composites=True)
+        sources = {t.ref() for t in leaves if tf.is_tensor(t) and not is_eager_tensor(t)}
+        frame = {"sources": sources, "is_first": is_first, "recording": recording}
         stack = _frames.__dict__.setdefault("stack", [])
         with self._patched(self.variables, self._write):
             stack.append(frame)

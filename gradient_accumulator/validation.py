@@ -19,11 +19,7 @@ def check_positive_integer(name, value):
 
 
 def check_accum_steps(accum_steps):
-    """Returns ``accum_steps`` as an ``int`` or raises a ValueError naming it.
-
-    Booleans, floats (even ``4.0``), strings and ``None`` are refused: a
-    silently coerced ``accum_steps`` changes the effective batch size.
-    """
+    """:func:`check_positive_integer` of ``accum_steps``: a coerced one changes the batch size."""
     return check_positive_integer("accum_steps", accum_steps)
 
 
@@ -175,13 +171,7 @@ def check_strategy(model, created_under):
 
 
 def check_train_step_not_overridden(model, wrapper_class):
-    """Refuses a subclass's own ``train_step``, which ``fit`` would not run on every path.
-
-    The runner runs the wrapper's micro-steps and updates itself: a
-    ``train_step`` of a subclass would be bypassed on data of known
-    length and run on the other paths, where its optimizer step would
-    update at every micro-batch.
-    """
+    """Refuses a subclass's own ``train_step``, which ``fit`` would not run on every path."""
     owner = next(c for c in type(model).__mro__ if "train_step" in vars(c))
     if owner is wrapper_class:
         return
@@ -241,20 +231,11 @@ def refuse_double_loss_scale(received):
 
 
 def check_optimizer_does_not_accumulate(chain, accum_steps, owner):
-    """Refuses an optimizer that already accumulates gradients.
+    """Refuses an optimizer that already accumulates gradients, which would multiply the batch.
 
-    The one check for it, used by ``GradientAccumulateModel.compile`` and by
-    ``GradientAccumulateOptimizer``: a second accumulation (Keras's own
-    ``gradient_accumulation_steps``, or a ``GradientAccumulateOptimizer``)
-    would silently multiply the effective batch. The whole chain of
-    ``inner_optimizer`` is looked through (``LossScaleOptimizer``).
-
-    Args:
-        chain: The Keras optimizer about to be used and every optimizer it
-            wraps (``_compat.optimizer_chain``).
-        accum_steps: The ``accum_steps`` of ``owner`` (for the message).
-        owner: ``"GradientAccumulateModel"`` or ``"GradientAccumulateOptimizer"``,
-            which decides what the message tells the user to do.
+    Looks through ``chain`` (``_compat.optimizer_chain``) for a ``GradientAccumulateOptimizer``
+    or Keras's ``gradient_accumulation_steps``. ``owner`` (``"GradientAccumulateModel"`` or
+    ``"GradientAccumulateOptimizer"``, with its ``accum_steps``) decides the advice.
     """
     in_model = owner == "GradientAccumulateModel"
     for opt in chain:
@@ -299,19 +280,18 @@ def check_accum_steps_or_schedule(accum_steps):
 
 def check_optimizer(optimizer):
     """Returns ``optimizer`` as a Keras optimizer instance or raises naming it."""
+
+    def refused(suffix=""):
+        return ValueError(
+            "`optimizer` must be a `keras.optimizers.Optimizer` instance or the name of one, "
+            f"such as 'adam'. Received: optimizer={optimizer!r}{suffix}"
+        )
+
     if isinstance(optimizer, (str, dict)):
         try:
             optimizer = keras.optimizers.get(optimizer)
         except ValueError as error:
-            raise ValueError(
-                "`optimizer` must be a `keras.optimizers.Optimizer` instance or "
-                "the name of one, such as 'adam'. Received: "
-                f"optimizer={optimizer!r}"
-            ) from error
+            raise refused() from error
     if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise ValueError(
-            "`optimizer` must be a `keras.optimizers.Optimizer` instance or the "
-            "name of one, such as 'adam'. Received: "
-            f"optimizer={optimizer!r} of type {type(optimizer).__name__}"
-        )
+        raise refused(f" of type {type(optimizer).__name__}")
     return optimizer
