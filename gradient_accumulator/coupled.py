@@ -103,16 +103,13 @@ COUPLING_TOLERANCE = 1e-4
 def loss_couples_samples(model, data):
     """Whether ``model``'s loss compares the samples of a batch: the relative residual, or ``None``.
 
-    One eager check on a batch ``data`` (``(x, y, sample_weight)``, at least
-    4 rows): the gradient of the compiled loss with respect to the outputs,
-    on the whole batch, restricted to its first half, against the gradient
-    on the first half alone. A loss of each sample's own outputs gives
-    proportional gradients (its normaliser, samples, tokens or sample
-    weights, only scales them); a loss that compares the samples gives
-    others. Inference mode (no state written, no dropout). Returns the
-    largest relative residual over the outputs after the best scaling, or
-    ``None`` where it cannot tell (a batch under 4 rows, a loss that fails
-    on it eagerly).
+    One eager check, in inference mode, on a batch ``data`` (``(x, y,
+    sample_weight)``): the compiled loss's gradient with respect to the
+    outputs, on the whole batch, restricted to its first half, against the
+    gradient on the first half alone. A loss of each sample's own outputs
+    gives proportional gradients (its normaliser only scales them). Returns
+    the largest relative residual over the outputs after the best scaling,
+    or ``None`` where it cannot tell (under 4 rows, a loss that fails eagerly).
     """
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     leaves = [t for t in tf.nest.flatten(x) if getattr(t, "shape", None) is not None]
@@ -206,10 +203,6 @@ def check_replayed(drift, model_name):
     )
 
 
-def _batch_size(x):
-    return ops.shape(tf.nest.flatten(x)[0])[0]
-
-
 def _tensor_leaves(data):
     """The tensors of a batch's structure, and what :func:`_packed` puts them back into."""
     flat = tf.nest.flatten(data)
@@ -217,15 +210,8 @@ def _tensor_leaves(data):
     return [t for t in flat if t is not None], (template, [t is None for t in flat])
 
 
-def _replicas_leaves(strategy, data):
-    """Per local replica, the tensors of its shard of ``data`` (:func:`_tensor_leaves`)."""
-    leaves, _ = _tensor_leaves(data)
-    local = [strategy.experimental_local_results(t) for t in leaves]
-    return [[each[r] for each in local] for r in range(len(local[0]))]
-
-
 def _replicas_results(strategy, result):
-    """Per local replica, its part of ``strategy.run``'s ``result`` (a structure)."""
+    """Per local replica, its part of ``result`` (``strategy.run``'s, or a batch's tensors)."""
     flat = tf.nest.flatten(result)
     local = [strategy.experimental_local_results(t) for t in flat]
     return [
@@ -283,6 +269,7 @@ class CoupledGroup:
         self._model = model
         self._steps = steps
         self._output_structure = None  # the model's outputs, as the first pass traced them
+        self._structure = None  # the batch's (`_tensor_leaves`), as the group's trace fetched it
         # The sums that the group's trace adds to: by its loss (`loss`) and
         # by its micro-steps (`backward`); the update applies their union.
         self._loss_slots = []
@@ -302,12 +289,6 @@ class CoupledGroup:
             model._state_writes.once_per_update(x, is_first),
         ):
             y_pred = model(x, training=True)
-        self._check_layer_losses()
-        self._output_structure = tf.nest.map_structure(lambda _: 0, y_pred)
-        return [tf.stop_gradient(t) for t in tf.nest.flatten(y_pred)]
-
-    def _check_layer_losses(self):
-        model = self._model
         found = len(model.losses) - weight_only_loss_count(model)
         if found > 0:
             raise ValueError(
@@ -318,6 +299,8 @@ class CoupledGroup:
                 "them from the outputs in the loss (an overridden `compute_loss`), or "
                 f"train with coupled_loss=None. Received: coupled_loss={model.coupled_loss!r}"
             )
+        self._output_structure = tf.nest.map_structure(lambda _: 0, y_pred)
+        return [tf.stop_gradient(t) for t in tf.nest.flatten(y_pred)]
 
     def loss(self, data, outputs):
         """The group's loss, on its whole batch: ``(dL/d outputs, logs)``.
@@ -352,13 +335,11 @@ class CoupledGroup:
             # (and inputs, for an overridden `compute_loss`).
             rows = tf.shape(outputs[0])[0]
             overridden = type(model).compute_loss is not keras.Model.compute_loss
-            local = (x if overridden else None, y, sample_weight, outputs)
-            flat = tf.nest.flatten(local)
-            offset, gathered_flat = _gather([t for t in flat if t is not None], rows, replicas)
-            gathered_flat = iter(gathered_flat)
-            loss_x, loss_y, loss_weight, loss_outputs = tf.nest.pack_sequence_as(
-                local, [None if t is None else next(gathered_flat) for t in flat]
+            leaves, structure = _tensor_leaves(
+                (x if overridden else None, y, sample_weight, outputs)
             )
+            offset, leaves = _gather(leaves, rows, replicas)
+            loss_x, loss_y, loss_weight, loss_outputs = _packed(structure, leaves)
         variables = model.trainable_variables
         with tf.GradientTape(persistent=True) as tape:
             tape.watch(loss_outputs)
@@ -380,7 +361,8 @@ class CoupledGroup:
         grads = [ops.zeros_like(t) if g is None else g for t, g in zip(loss_outputs, grads)]
         if gathered:
             grads = [g[offset : offset + rows] for g in grads]
-        loss_tracker(model).update_state(share * replicas, sample_weight=_batch_size(x))
+        batch_size = ops.shape(tf.nest.flatten(x)[0])[0]
+        loss_tracker(model).update_state(share * replicas, sample_weight=batch_size)
         y_pred = tf.nest.pack_sequence_as(self._output_structure, outputs)
         build_compiled_metrics_outside_trace(model, y, y_pred)
         logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -447,18 +429,16 @@ class CoupledGroup:
         self._steps.end_group(True, present=sorted({*self._loss_slots, *self._step_slots}))
 
     def group_function(self):
-        """One whole group in two passes: ``(iterator, length) -> logs``, to compile.
+        """One whole group in the module's two passes: ``(iterator, length) -> logs``, to compile.
 
-        The module's docstring says why and what each pass is. Here: the
-        first pass, a ``tf.while_loop`` of one micro-batch after
-        the other, fetches each micro-batch and caches it, its outputs and
-        its seed generators' states in ``TensorArray`` s (the first
-        micro-batch peeled off the loop: its outputs give the caches' types);
-        the loss then runs on the caches concatenated; the second pass, a
-        loop again, puts back each micro-batch's seed states and adds its
-        gradients. Then the update. The loops run one iteration at a time
-        (``parallel_iterations=1``), so that one micro-batch's activations
-        are alive at a time. Under XLA, each step is a program of its own.
+        The first pass, a ``tf.while_loop``, caches each micro-batch, its
+        outputs and its seed generators' states in ``TensorArray`` s (the
+        first micro-batch peeled off the loop: its outputs give the caches'
+        types); the loss runs on the caches concatenated; the second loop
+        puts back each micro-batch's seed states and adds its gradients.
+        Both loops run one iteration at a time (``parallel_iterations=1``):
+        one micro-batch's activations alive at a time. Under XLA, each step
+        is a program of its own.
         """
         model = self._model
         strategy = model.distribute_strategy
@@ -468,10 +448,10 @@ class CoupledGroup:
             seeds = seed_generator_states(model)
             devices = _replica_devices(strategy)
             data = next(iterator)
-            _, structure = _tensor_leaves(data)
-            leaves = _replicas_leaves(strategy, data)
+            flat, self._structure = _tensor_leaves(data)
+            leaves = _replicas_results(strategy, flat)
             saved = [raw_value(seed) for seed in seeds]
-            outputs = forward(leaves, structure, tf.constant(True))
+            outputs = forward(leaves, tf.constant(True))
             # Per replica: its micro-batch's tensors, outputs, rows; the seed states.
             caches = [
                 [_cache(t, length, device).write(0, t) for t in values]
@@ -483,9 +463,9 @@ class CoupledGroup:
                 flows = [c.flow for c in tf.nest.flatten(caches) + seed_caches]
                 with tf.control_dependencies(flows):
                     data = next(iterator)
-                leaves = _replicas_leaves(strategy, data)
+                leaves = _replicas_results(strategy, _tensor_leaves(data)[0])
                 saved = [raw_value(seed) for seed in seeds]
-                outputs = forward(leaves, structure, tf.constant(False))
+                outputs = forward(leaves, tf.constant(False))
                 caches = [
                     [c.write(index, v) for c, v in zip(replica_caches, values)]
                     for replica_caches, values in zip(caches, _cached_values(leaves, outputs))
@@ -502,7 +482,7 @@ class CoupledGroup:
             n_leaves = len(leaves[0])
             group_leaves = [[c.concat() for c in each[:n_leaves]] for each in caches]
             group_outputs = [[c.concat() for c in each[n_leaves:-1]] for each in caches]
-            output_grads, logs = loss(group_leaves, group_outputs, structure)
+            output_grads, logs = loss(group_leaves, group_outputs)
             rows = [each[-1].stack() for each in caches]
             grad_caches = [
                 [_cache(g, length, device).split(g, replica_rows) for g in grads]
@@ -516,7 +496,7 @@ class CoupledGroup:
                     leaves = [[c.read(index) for c in each[:n_leaves]] for each in caches]
                 grads = [[c.read(index) for c in each] for each in grad_caches]
                 first = [[c.read(index) for c in each[n_leaves:-1]] for each in caches]
-                marker, step_drift = backward(leaves, grads, structure, ops.equal(index, 0), first)
+                marker, step_drift = backward(leaves, grads, ops.equal(index, 0), first)
                 return index + 1, marker, ops.maximum(drift, step_drift)
 
             _, _, drift = tf.while_loop(
@@ -535,61 +515,50 @@ class CoupledGroup:
         """The two-pass group's ``(forward, loss, backward, update)``, in graph or XLA mode.
 
         Called in cross-replica context with per-replica lists (one entry
-        per local replica) of the batch's tensors (``structure`` packs them:
-        :func:`_tensor_leaves`), outputs and output gradients; ``forward``
-        returns the replicas' outputs, ``loss`` their output gradients and
-        the reduced logs, ``backward`` a marker computed after the adds.
+        per local replica) of the batch's tensors (packed by the structure
+        the group's trace keeps: :func:`_tensor_leaves`), outputs and output
+        gradients; ``forward`` returns the replicas' outputs, ``loss`` their
+        output gradients and the reduced logs, ``backward`` a marker
+        computed after the adds.
         """
         model = self._model
         strategy = model.distribute_strategy
-        coupled = self
-        batch = {}  # the batch's structure, set by the group's trace (`pack`)
+        xla = model.jit_compile and not model.run_eagerly
 
-        def pack(leaves):
-            return _packed(batch["structure"], leaves)
+        def in_replica(method):
+            def run(leaves, *args):
+                return method(_packed(self._structure, leaves), *args)
 
-        def forward_in_replica(leaves, is_first):
-            return coupled.forward(pack(leaves), is_first)
-
-        def loss_in_replica(leaves, outputs):
-            return coupled.loss(pack(leaves), outputs)
-
-        def backward_in_replica(leaves, grads, is_first, first_outputs):
-            return coupled.backward(pack(leaves), grads, is_first, first_outputs)
-
-        if model.jit_compile and not model.run_eagerly:
             # One replica (XLA is refused with several): each a program of its own.
-            def compiled(fn):
-                return tf.function(fn, reduce_retracing=True, jit_compile=True, autograph=False)
+            if xla:
+                return tf.function(run, reduce_retracing=True, jit_compile=True, autograph=False)
+            return run
 
-            forward_in_replica = compiled(forward_in_replica)
-            loss_in_replica = compiled(loss_in_replica)
-            backward_in_replica = compiled(backward_in_replica)
+        forward_pass, loss_pass, backward_pass = map(
+            in_replica, (self.forward, self.loss, self.backward)
+        )
 
-        def forward(leaves, structure, is_first):
-            batch["structure"] = structure
-            result = strategy.run(forward_in_replica, args=(_distributed(leaves), is_first))
+        def forward(leaves, is_first):
+            result = strategy.run(forward_pass, args=(_distributed(leaves), is_first))
             return _replicas_results(strategy, result)
 
-        def loss(leaves, outputs, structure):
-            batch["structure"] = structure
+        def loss(leaves, outputs):
             grads, logs = strategy.run(
-                loss_in_replica, args=(_distributed(leaves), _distributed(outputs))
+                loss_pass, args=(_distributed(leaves), _distributed(outputs))
             )
             return _replicas_results(strategy, grads), reduce_replica_logs(logs, strategy)
 
-        def backward(leaves, grads, structure, is_first, first_outputs):
-            batch["structure"] = structure
+        def backward(leaves, grads, is_first, first_outputs):
             arguments = (_distributed(leaves), _distributed(grads), is_first)
             marker, drift = strategy.run(
-                backward_in_replica, args=(*arguments, _distributed(first_outputs))
+                backward_pass, args=(*arguments, _distributed(first_outputs))
             )
             marker = ops.sum(ops.stack(strategy.experimental_local_results(marker)))
             return marker, ops.max(ops.stack(strategy.experimental_local_results(drift)))
 
         def update():
-            strategy.run(coupled.end_group)
+            strategy.run(self.end_group)
 
-        if model.jit_compile and not model.run_eagerly:
+        if xla:
             update = tf.function(update, jit_compile=True, autograph=False)
         return forward, loss, backward, update
