@@ -118,21 +118,15 @@ def loss_couples_samples(model, data):
         return None
     half = rows // 2
 
-    def first_rows(structure, count):
-        return tf.nest.map_structure(lambda t: None if t is None else t[:count], structure)
-
     def gradient(count):
+        first_x, first_y, first_weight = tf.nest.map_structure(
+            lambda t: None if t is None else t[:count], (x, y, sample_weight)
+        )
         flat = [t[:count] for t in tf.nest.flatten(outputs)]
         with tf.GradientTape() as tape:
             tape.watch(flat)
             y_pred = tf.nest.pack_sequence_as(outputs, flat)
-            loss = compute_training_loss(
-                model,
-                first_rows(x, count),
-                first_rows(y, count),
-                y_pred,
-                first_rows(sample_weight, count),
-            )
+            loss = compute_training_loss(model, first_x, first_y, y_pred, first_weight)
         return tape.gradient(loss, flat)
 
     try:
@@ -256,8 +250,7 @@ def _cache(like, length, device=None):
 class CoupledGroup:
     """The replica-context steps of a group whose loss couples its samples.
 
-    :meth:`group_function` runs them, caching what they return between
-    them; the runner picks it for a model with ``coupled_loss``.
+    :meth:`group_function` runs them (the runner's case for ``coupled_loss``).
 
     Args:
         model: The ``GradientAccumulateModel``.
@@ -309,19 +302,19 @@ class CoupledGroup:
         the global one: the replicas' group outputs, targets and sample
         weights gathered, the loss computed on them in every replica, and
         each replica's gradient kept for its own rows. The logged loss is
-        the loss of that batch; the metrics are computed on the replica's
-        own rows (summed over the replicas, as Keras's are).
+        that batch's; the metrics are the replica's own rows' (summed over
+        the replicas, as Keras's are).
 
         Args:
             data: The group's batch ``(x, y, sample_weight)``, its
                 micro-batches' rows concatenated.
-            outputs: Flat list of the group's outputs (as :meth:`forward`
-                returns them, concatenated), cast to float32 here: the loss
-                and its gradient are float32 under mixed precision.
+            outputs: Flat list of the group's outputs (:meth:`forward`'s,
+                concatenated), cast to float32 here: the loss and its
+                gradient are float32 under mixed precision.
 
         Returns:
             The float32 gradient of the loss with respect to each output,
-            and the logs (the loss and the compiled metrics of the group).
+            and the logs (the group's loss and compiled metrics).
         """
         model = self._model
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -384,8 +377,7 @@ class CoupledGroup:
         Returns:
             The accumulator's micro-step count, read after the adds, and the
             largest difference between this pass's outputs and
-            ``first_outputs``, relative to their largest magnitude (0 where
-            the passes agree; see :func:`check_replayed`).
+            ``first_outputs``, relative to their magnitude (:func:`check_replayed`).
         """
         model = self._model
         accumulator = self._steps.accumulator
@@ -397,34 +389,22 @@ class CoupledGroup:
             model._state_writes.replayed(),
             tf.GradientTape() as tape,
         ):
-            y_pred = model(x, training=True)
-            objective = ops.sum(
-                ops.stack(
-                    [
-                        ops.sum(ops.cast(t, "float32") * g)
-                        for t, g in zip(tf.nest.flatten(y_pred), output_grads)
-                    ]
-                )
-            )
-            objective = model.optimizer.scale_loss(objective)
+            y_pred = tf.nest.flatten(model(x, training=True))
+            products = [ops.sum(ops.cast(t, "float32") * g) for t, g in zip(y_pred, output_grads)]
+            objective = model.optimizer.scale_loss(ops.sum(ops.stack(products)))
         grads = tape.gradient(objective, variables)
         self._step_slots = accumulator.add([grads], [first])
-        drift = ops.max(
-            ops.stack(
-                [
-                    ops.max(ops.abs(ops.cast(t, "float32") - ops.cast(f, "float32")))
-                    / (ops.max(ops.abs(ops.cast(f, "float32"))) + 1e-30)
-                    for t, f in zip(tf.nest.flatten(y_pred), first_outputs)
-                ]
-            )
-        )
-        return accumulator.micro_step.read_value(), tf.stop_gradient(drift)
+        drift = [
+            ops.max(ops.abs(ops.cast(t, "float32") - ops.cast(f, "float32")))
+            / (ops.max(ops.abs(ops.cast(f, "float32"))) + 1e-30)
+            for t, f in zip(y_pred, first_outputs)
+        ]
+        return accumulator.micro_step.read_value(), tf.stop_gradient(ops.max(ops.stack(drift)))
 
     def end_group(self):
         """The group's end (replica context), once its last :meth:`backward` has added.
 
-        Every sum the group added to, by its loss or its micro-steps, goes to
-        the optimizer (:meth:`~gradient_accumulator.steps.ModelSteps.end_group`).
+        Its update applies every sum the group added to (see ``__init__``).
         """
         self._steps.end_group(True, present=sorted({*self._loss_slots, *self._step_slots}))
 
@@ -550,9 +530,8 @@ class CoupledGroup:
 
         def backward(leaves, grads, is_first, first_outputs):
             arguments = (_distributed(leaves), _distributed(grads), is_first)
-            marker, drift = strategy.run(
-                backward_pass, args=(*arguments, _distributed(first_outputs))
-            )
+            arguments += (_distributed(first_outputs),)
+            marker, drift = strategy.run(backward_pass, args=arguments)
             marker = ops.sum(ops.stack(strategy.experimental_local_results(marker)))
             return marker, ops.max(ops.stack(strategy.experimental_local_results(drift)))
 
