@@ -269,16 +269,9 @@ class GradientAccumulateModel(keras.Model):
         self.coupled_loss = check_coupled_loss(coupled_loss)
         self.gradient_norm = check_bool("gradient_norm", gradient_norm)
         self.noise_scale = check_bool("noise_scale", noise_scale)
-        (
-            self.noise_scale_smoothing,
-            self.noise_scale_micro_batches,
-            self.noise_scale_every,
-        ) = check_noise_scale_arguments(
-            self.noise_scale,
-            noise_scale_smoothing,
-            noise_scale_micro_batches,
-            noise_scale_every,
-            self.coupled_loss,
+        noise_arguments = (noise_scale_smoothing, noise_scale_micro_batches, noise_scale_every)
+        self.noise_scale_smoothing, self.noise_scale_micro_batches, self.noise_scale_every = (
+            check_noise_scale_arguments(self.noise_scale, *noise_arguments, self.coupled_loss)
         )
         super().__init__(*args, **kwargs)
         self._accumulator = None
@@ -520,9 +513,8 @@ class GradientAccumulateModel(keras.Model):
         ``train_on_batch`` loops whose length is not a multiple of
         ``accum_steps``.
         """
-        if self._accumulator is None or self.optimizer is None:
-            return
-        self._runner.apply_pending()
+        if self._accumulator is not None and self.optimizer is not None:
+            self._runner.apply_pending()
 
     def get_config(self):
         return {**super().get_config(), **self.wrapper_config()}
