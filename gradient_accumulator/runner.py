@@ -2,13 +2,11 @@
 
 A *group* is ``accum_steps`` micro-steps (fewer at the end of an epoch)
 followed by one optimizer update. :class:`GroupRunner` runs the groups of
-one :class:`~gradient_accumulator.GradientAccumulateModel`. It decides where
+one :class:`~gradient_accumulator.GradientAccumulateModel`: it decides where
 and in which compiled function each step runs, and calls the model's steps
-through one interface, :class:`~gradient_accumulator.steps.ModelSteps`:
-``micro_step(data, micro)`` (one micro-batch added to the sums, in replica
-context), ``end_group(condition, ...)`` (the group's one end: statistics,
-logged loss, update) and ``with_update_logs(logs)``; and the coupled loss's
-group through :meth:`~gradient_accumulator.coupled.CoupledGroup.group_function`.
+through one interface, :class:`~gradient_accumulator.steps.ModelSteps`, and
+the coupled loss's group through
+:meth:`~gradient_accumulator.coupled.CoupledGroup.group_function`.
 
 The ways a group runs, each one case of the runner:
 
@@ -214,11 +212,10 @@ class GroupRunner:
         return logs
 
     def forget_update_count(self):
-        """The update count may have moved outside this runner's view (the noise scale's schedule).
+        """Tells the noise scale's schedule that the update count may have moved outside its view.
 
-        Called where updates run that the whole-groups case does not count
-        (micro-steps, ``group_step``, a group applied early) and where the
-        count is set (a new ``fit``, a loaded file).
+        Where updates run that the whole-groups case does not count (micro-steps,
+        ``group_step``, a group applied early) or the count is set (a new ``fit``, a loaded file).
         """
         if self._steps.accumulator is not None:
             self._steps.accumulator.noise_schedule.forget()
@@ -332,12 +329,7 @@ class GroupRunner:
         )
 
     def group_of_batches(self, batches):
-        """``group_step``: a whole group of given batches, in replica context.
-
-        The whole-groups case unrolled over a Python sequence: each
-        micro-step reads its batch once the previous one has added its
-        gradients; the last one's logs are returned after the group's end.
-        """
+        """``group_step``: the whole-groups case unrolled over given batches (see its docstring)."""
         steps = self._steps
         accumulator = steps.accumulator
         self.forget_update_count()
