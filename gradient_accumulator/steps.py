@@ -183,13 +183,12 @@ class ModelSteps:
     def end_group(self, condition, measures=None, present=None, logs=None):
         """The group's end, if ``condition``: statistics moved, group loss ended, update.
 
-        The one end of every way a group runs. Layers whose statistics follow
-        the update boundary move them (those that hold their replica's own
-        move them in the update, their pending statistics crossing the
-        replicas in the update's one reduction); the group's logged loss is
-        ended (:class:`~gradient_accumulator.group_loss.GroupLoss`); the
-        group's mean gradient goes to the optimizer and the sums are emptied
-        (:func:`gradient_accumulator.update.apply_if`).
+        The one end of every way a group runs. Layers that hold their
+        replica's own statistics move them in the update (their pending
+        statistics crossing the replicas in its one reduction), the others
+        here; :class:`~gradient_accumulator.group_loss.GroupLoss` ends the
+        logged loss; :func:`gradient_accumulator.update.apply_if` hands the
+        group's mean gradient to the optimizer and empties the sums.
 
         Args:
             condition: Python boolean (known when traced) or boolean tensor.
@@ -330,9 +329,8 @@ class ModelSteps:
         normaliser its recorded reduction's. ``None`` (the micro-batches'
         logs) unless the loss is Keras's own, one per output.
         """
-        if not trackers or len(trackers) != len(micro_loss.records):
-            return None
-        if type(self._model).compute_loss is not keras.Model.compute_loss:
+        overridden = type(self._model).compute_loss is not keras.Model.compute_loss
+        if overridden or not trackers or len(trackers) != len(micro_loss.records):
             return None
         terms, _ = micro_loss.partition()
         if None in terms:
