@@ -88,9 +88,7 @@ class GroupLoss:
         tracker.update_state(ops.cast(logged_loss, "float32"), sample_weight=size)
         if len(weighted) != self.num_classes:
             return  # a layout traced before this one was sized: the micro-batches' logs
-        outputs = outputs or []
-        if len(outputs) != self.num_outputs:
-            outputs = []
+        outputs = outputs if outputs and len(outputs) == self.num_outputs else []
         # What the group's end reads of the outputs (trace-time structure):
         # their trackers, and which are sums.
         self._outputs = [(each, None if n is None else 1.0) for each, _, n in outputs]
