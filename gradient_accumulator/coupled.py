@@ -494,12 +494,11 @@ class CoupledGroup:
     def _passes(self):
         """The two-pass group's ``(forward, loss, backward, update)``, in graph or XLA mode.
 
-        Called in cross-replica context with per-replica lists (one entry
-        per local replica) of the batch's tensors (packed by the structure
-        the group's trace keeps: :func:`_tensor_leaves`), outputs and output
-        gradients; ``forward`` returns the replicas' outputs, ``loss`` their
-        output gradients and the reduced logs, ``backward`` a marker
-        computed after the adds.
+        Called in cross-replica context with per-replica lists of the batch's
+        tensors (packed by the structure the group's trace keeps), outputs and
+        output gradients; ``forward`` returns the replicas' outputs, ``loss``
+        their output gradients and the reduced logs, ``backward`` a marker
+        computed after the adds and the largest drift.
         """
         model = self._model
         strategy = model.distribute_strategy
