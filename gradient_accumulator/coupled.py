@@ -94,9 +94,7 @@ def _gather(tensors, rows, replicas):
     ]
 
 
-# A loss whose gradient for the first half of a batch, computed on the whole
-# batch, is not proportional to that half's gradient computed on its own
-# (relative residual above this) compares the samples with each other.
+# The relative residual of `loss_couples_samples` above which a loss compares the samples.
 COUPLING_TOLERANCE = 1e-4
 
 
@@ -323,9 +321,8 @@ class CoupledGroup:
         gathered = model.coupled_loss == "global" and replicas > 1
         loss_x, loss_y, loss_weight, loss_outputs = x, y, sample_weight, outputs
         if gathered:
-            # The global batch's, every replica's rows in replica order: one
-            # all-gather of the group's outputs, targets and sample weights
-            # (and inputs, for an overridden `compute_loss`).
+            # One all-gather, in replica order (and of the inputs, for an
+            # overridden `compute_loss`).
             rows = tf.shape(outputs[0])[0]
             overridden = type(model).compute_loss is not keras.Model.compute_loss
             leaves, structure = _tensor_leaves(

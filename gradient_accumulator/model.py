@@ -426,9 +426,8 @@ class GradientAccumulateModel(keras.Model):
         return result
 
     def _needs_check(self, done):
-        # The class discovery or the coupling check (`done`: its flag), once per
-        # compile, where each micro-batch's loss is computed on its own (a
-        # coupled loss's group is one loss: one class).
+        # Once per compile (`done`: the check's flag), where each micro-batch's
+        # loss is computed on its own (a coupled loss's group is one loss: one class).
         return (
             self.optimizer is not None
             and self.accum_steps != 1
