@@ -94,25 +94,20 @@ def _gather(tensors, rows, replicas):
     ]
 
 
-# A loss whose gradient for the first half of a batch, computed on the whole
-# batch, is not proportional to that half's gradient computed on its own
-# (relative residual above this) compares the samples with each other.
+# The relative residual of `loss_couples_samples` above which a loss compares the samples.
 COUPLING_TOLERANCE = 1e-4
 
 
 def loss_couples_samples(model, data):
     """Whether ``model``'s loss compares the samples of a batch: the relative residual, or ``None``.
 
-    One eager check on a batch ``data`` (``(x, y, sample_weight)``, at least
-    4 rows): the gradient of the compiled loss with respect to the outputs,
-    on the whole batch, restricted to its first half, against the gradient
-    on the first half alone. A loss of each sample's own outputs gives
-    proportional gradients (its normaliser, samples, tokens or sample
-    weights, only scales them); a loss that compares the samples gives
-    others. Inference mode (no state written, no dropout). Returns the
-    largest relative residual over the outputs after the best scaling, or
-    ``None`` where it cannot tell (a batch under 4 rows, a loss that fails
-    on it eagerly).
+    One eager check, in inference mode, on a batch ``data`` (``(x, y,
+    sample_weight)``): the compiled loss's gradient with respect to the
+    outputs, on the whole batch, restricted to its first half, against the
+    gradient on the first half alone. A loss of each sample's own outputs
+    gives proportional gradients (its normaliser only scales them). Returns
+    the largest relative residual over the outputs after the best scaling,
+    or ``None`` where it cannot tell (under 4 rows, a loss that fails eagerly).
     """
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     leaves = [t for t in tf.nest.flatten(x) if getattr(t, "shape", None) is not None]
@@ -121,21 +116,15 @@ def loss_couples_samples(model, data):
         return None
     half = rows // 2
 
-    def first_rows(structure, count):
-        return tf.nest.map_structure(lambda t: None if t is None else t[:count], structure)
-
     def gradient(count):
+        first_x, first_y, first_weight = tf.nest.map_structure(
+            lambda t: None if t is None else t[:count], (x, y, sample_weight)
+        )
         flat = [t[:count] for t in tf.nest.flatten(outputs)]
         with tf.GradientTape() as tape:
             tape.watch(flat)
             y_pred = tf.nest.pack_sequence_as(outputs, flat)
-            loss = compute_training_loss(
-                model,
-                first_rows(x, count),
-                first_rows(y, count),
-                y_pred,
-                first_rows(sample_weight, count),
-            )
+            loss = compute_training_loss(model, first_x, first_y, y_pred, first_weight)
         return tape.gradient(loss, flat)
 
     try:
@@ -206,10 +195,6 @@ def check_replayed(drift, model_name):
     )
 
 
-def _batch_size(x):
-    return ops.shape(tf.nest.flatten(x)[0])[0]
-
-
 def _tensor_leaves(data):
     """The tensors of a batch's structure, and what :func:`_packed` puts them back into."""
     flat = tf.nest.flatten(data)
@@ -217,15 +202,8 @@ def _tensor_leaves(data):
     return [t for t in flat if t is not None], (template, [t is None for t in flat])
 
 
-def _replicas_leaves(strategy, data):
-    """Per local replica, the tensors of its shard of ``data`` (:func:`_tensor_leaves`)."""
-    leaves, _ = _tensor_leaves(data)
-    local = [strategy.experimental_local_results(t) for t in leaves]
-    return [[each[r] for each in local] for r in range(len(local[0]))]
-
-
 def _replicas_results(strategy, result):
-    """Per local replica, its part of ``strategy.run``'s ``result`` (a structure)."""
+    """Per local replica, its part of ``result`` (``strategy.run``'s, or a batch's tensors)."""
     flat = tf.nest.flatten(result)
     local = [strategy.experimental_local_results(t) for t in flat]
     return [
@@ -270,8 +248,7 @@ def _cache(like, length, device=None):
 class CoupledGroup:
     """The replica-context steps of a group whose loss couples its samples.
 
-    :meth:`group_function` runs them, caching what they return between
-    them; the runner picks it for a model with ``coupled_loss``.
+    :meth:`group_function` runs them (the runner's case for ``coupled_loss``).
 
     Args:
         model: The ``GradientAccumulateModel``.
@@ -283,6 +260,7 @@ class CoupledGroup:
         self._model = model
         self._steps = steps
         self._output_structure = None  # the model's outputs, as the first pass traced them
+        self._structure = None  # the batch's (`_tensor_leaves`), as the group's trace fetched it
         # The sums that the group's trace adds to: by its loss (`loss`) and
         # by its micro-steps (`backward`); the update applies their union.
         self._loss_slots = []
@@ -302,12 +280,6 @@ class CoupledGroup:
             model._state_writes.once_per_update(x, is_first),
         ):
             y_pred = model(x, training=True)
-        self._check_layer_losses()
-        self._output_structure = tf.nest.map_structure(lambda _: 0, y_pred)
-        return [tf.stop_gradient(t) for t in tf.nest.flatten(y_pred)]
-
-    def _check_layer_losses(self):
-        model = self._model
         found = len(model.losses) - weight_only_loss_count(model)
         if found > 0:
             raise ValueError(
@@ -318,6 +290,8 @@ class CoupledGroup:
                 "them from the outputs in the loss (an overridden `compute_loss`), or "
                 f"train with coupled_loss=None. Received: coupled_loss={model.coupled_loss!r}"
             )
+        self._output_structure = tf.nest.map_structure(lambda _: 0, y_pred)
+        return [tf.stop_gradient(t) for t in tf.nest.flatten(y_pred)]
 
     def loss(self, data, outputs):
         """The group's loss, on its whole batch: ``(dL/d outputs, logs)``.
@@ -326,19 +300,19 @@ class CoupledGroup:
         the global one: the replicas' group outputs, targets and sample
         weights gathered, the loss computed on them in every replica, and
         each replica's gradient kept for its own rows. The logged loss is
-        the loss of that batch; the metrics are computed on the replica's
-        own rows (summed over the replicas, as Keras's are).
+        that batch's; the metrics are the replica's own rows' (summed over
+        the replicas, as Keras's are).
 
         Args:
             data: The group's batch ``(x, y, sample_weight)``, its
                 micro-batches' rows concatenated.
-            outputs: Flat list of the group's outputs (as :meth:`forward`
-                returns them, concatenated), cast to float32 here: the loss
-                and its gradient are float32 under mixed precision.
+            outputs: Flat list of the group's outputs (:meth:`forward`'s,
+                concatenated), cast to float32 here: the loss and its
+                gradient are float32 under mixed precision.
 
         Returns:
             The float32 gradient of the loss with respect to each output,
-            and the logs (the loss and the compiled metrics of the group).
+            and the logs (the group's loss and compiled metrics).
         """
         model = self._model
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -347,18 +321,15 @@ class CoupledGroup:
         gathered = model.coupled_loss == "global" and replicas > 1
         loss_x, loss_y, loss_weight, loss_outputs = x, y, sample_weight, outputs
         if gathered:
-            # The global batch's, every replica's rows in replica order: one
-            # all-gather of the group's outputs, targets and sample weights
-            # (and inputs, for an overridden `compute_loss`).
+            # One all-gather, in replica order (and of the inputs, for an
+            # overridden `compute_loss`).
             rows = tf.shape(outputs[0])[0]
             overridden = type(model).compute_loss is not keras.Model.compute_loss
-            local = (x if overridden else None, y, sample_weight, outputs)
-            flat = tf.nest.flatten(local)
-            offset, gathered_flat = _gather([t for t in flat if t is not None], rows, replicas)
-            gathered_flat = iter(gathered_flat)
-            loss_x, loss_y, loss_weight, loss_outputs = tf.nest.pack_sequence_as(
-                local, [None if t is None else next(gathered_flat) for t in flat]
+            leaves, structure = _tensor_leaves(
+                (x if overridden else None, y, sample_weight, outputs)
             )
+            offset, leaves = _gather(leaves, rows, replicas)
+            loss_x, loss_y, loss_weight, loss_outputs = _packed(structure, leaves)
         variables = model.trainable_variables
         with tf.GradientTape(persistent=True) as tape:
             tape.watch(loss_outputs)
@@ -380,7 +351,8 @@ class CoupledGroup:
         grads = [ops.zeros_like(t) if g is None else g for t, g in zip(loss_outputs, grads)]
         if gathered:
             grads = [g[offset : offset + rows] for g in grads]
-        loss_tracker(model).update_state(share * replicas, sample_weight=_batch_size(x))
+        batch_size = ops.shape(tf.nest.flatten(x)[0])[0]
+        loss_tracker(model).update_state(share * replicas, sample_weight=batch_size)
         y_pred = tf.nest.pack_sequence_as(self._output_structure, outputs)
         build_compiled_metrics_outside_trace(model, y, y_pred)
         logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -402,8 +374,7 @@ class CoupledGroup:
         Returns:
             The accumulator's micro-step count, read after the adds, and the
             largest difference between this pass's outputs and
-            ``first_outputs``, relative to their largest magnitude (0 where
-            the passes agree; see :func:`check_replayed`).
+            ``first_outputs``, relative to their magnitude (:func:`check_replayed`).
         """
         model = self._model
         accumulator = self._steps.accumulator
@@ -415,50 +386,36 @@ class CoupledGroup:
             model._state_writes.replayed(),
             tf.GradientTape() as tape,
         ):
-            y_pred = model(x, training=True)
-            objective = ops.sum(
-                ops.stack(
-                    [
-                        ops.sum(ops.cast(t, "float32") * g)
-                        for t, g in zip(tf.nest.flatten(y_pred), output_grads)
-                    ]
-                )
-            )
-            objective = model.optimizer.scale_loss(objective)
+            y_pred = tf.nest.flatten(model(x, training=True))
+            products = [ops.sum(ops.cast(t, "float32") * g) for t, g in zip(y_pred, output_grads)]
+            objective = model.optimizer.scale_loss(ops.sum(ops.stack(products)))
         grads = tape.gradient(objective, variables)
         self._step_slots = accumulator.add([grads], [first])
-        drift = ops.max(
-            ops.stack(
-                [
-                    ops.max(ops.abs(ops.cast(t, "float32") - ops.cast(f, "float32")))
-                    / (ops.max(ops.abs(ops.cast(f, "float32"))) + 1e-30)
-                    for t, f in zip(tf.nest.flatten(y_pred), first_outputs)
-                ]
-            )
-        )
-        return accumulator.micro_step.read_value(), tf.stop_gradient(drift)
+        drift = [
+            ops.max(ops.abs(ops.cast(t, "float32") - ops.cast(f, "float32")))
+            / (ops.max(ops.abs(ops.cast(f, "float32"))) + 1e-30)
+            for t, f in zip(y_pred, first_outputs)
+        ]
+        return accumulator.micro_step.read_value(), tf.stop_gradient(ops.max(ops.stack(drift)))
 
     def end_group(self):
         """The group's end (replica context), once its last :meth:`backward` has added.
 
-        Every sum the group added to, by its loss or its micro-steps, goes to
-        the optimizer (:meth:`~gradient_accumulator.steps.ModelSteps.end_group`).
+        Its update applies every sum the group added to (see ``__init__``).
         """
         self._steps.end_group(True, present=sorted({*self._loss_slots, *self._step_slots}))
 
     def group_function(self):
-        """One whole group in two passes: ``(iterator, length) -> logs``, to compile.
+        """One whole group in the module's two passes: ``(iterator, length) -> logs``, to compile.
 
-        The module's docstring says why and what each pass is. Here: the
-        first pass, a ``tf.while_loop`` of one micro-batch after
-        the other, fetches each micro-batch and caches it, its outputs and
-        its seed generators' states in ``TensorArray`` s (the first
-        micro-batch peeled off the loop: its outputs give the caches' types);
-        the loss then runs on the caches concatenated; the second pass, a
-        loop again, puts back each micro-batch's seed states and adds its
-        gradients. Then the update. The loops run one iteration at a time
-        (``parallel_iterations=1``), so that one micro-batch's activations
-        are alive at a time. Under XLA, each step is a program of its own.
+        The first pass, a ``tf.while_loop``, caches each micro-batch, its
+        outputs and its seed generators' states in ``TensorArray`` s (the
+        first micro-batch peeled off the loop: its outputs give the caches'
+        types); the loss runs on the caches concatenated; the second loop
+        puts back each micro-batch's seed states and adds its gradients.
+        Both loops run one iteration at a time (``parallel_iterations=1``):
+        one micro-batch's activations alive at a time. Under XLA, each step
+        is a program of its own.
         """
         model = self._model
         strategy = model.distribute_strategy
@@ -468,10 +425,10 @@ class CoupledGroup:
             seeds = seed_generator_states(model)
             devices = _replica_devices(strategy)
             data = next(iterator)
-            _, structure = _tensor_leaves(data)
-            leaves = _replicas_leaves(strategy, data)
+            flat, self._structure = _tensor_leaves(data)
+            leaves = _replicas_results(strategy, flat)
             saved = [raw_value(seed) for seed in seeds]
-            outputs = forward(leaves, structure, tf.constant(True))
+            outputs = forward(leaves, tf.constant(True))
             # Per replica: its micro-batch's tensors, outputs, rows; the seed states.
             caches = [
                 [_cache(t, length, device).write(0, t) for t in values]
@@ -483,9 +440,9 @@ class CoupledGroup:
                 flows = [c.flow for c in tf.nest.flatten(caches) + seed_caches]
                 with tf.control_dependencies(flows):
                     data = next(iterator)
-                leaves = _replicas_leaves(strategy, data)
+                leaves = _replicas_results(strategy, _tensor_leaves(data)[0])
                 saved = [raw_value(seed) for seed in seeds]
-                outputs = forward(leaves, structure, tf.constant(False))
+                outputs = forward(leaves, tf.constant(False))
                 caches = [
                     [c.write(index, v) for c, v in zip(replica_caches, values)]
                     for replica_caches, values in zip(caches, _cached_values(leaves, outputs))
@@ -502,7 +459,7 @@ class CoupledGroup:
             n_leaves = len(leaves[0])
             group_leaves = [[c.concat() for c in each[:n_leaves]] for each in caches]
             group_outputs = [[c.concat() for c in each[n_leaves:-1]] for each in caches]
-            output_grads, logs = loss(group_leaves, group_outputs, structure)
+            output_grads, logs = loss(group_leaves, group_outputs)
             rows = [each[-1].stack() for each in caches]
             grad_caches = [
                 [_cache(g, length, device).split(g, replica_rows) for g in grads]
@@ -516,7 +473,7 @@ class CoupledGroup:
                     leaves = [[c.read(index) for c in each[:n_leaves]] for each in caches]
                 grads = [[c.read(index) for c in each] for each in grad_caches]
                 first = [[c.read(index) for c in each[n_leaves:-1]] for each in caches]
-                marker, step_drift = backward(leaves, grads, structure, ops.equal(index, 0), first)
+                marker, step_drift = backward(leaves, grads, ops.equal(index, 0), first)
                 return index + 1, marker, ops.maximum(drift, step_drift)
 
             _, _, drift = tf.while_loop(
@@ -534,62 +491,49 @@ class CoupledGroup:
     def _passes(self):
         """The two-pass group's ``(forward, loss, backward, update)``, in graph or XLA mode.
 
-        Called in cross-replica context with per-replica lists (one entry
-        per local replica) of the batch's tensors (``structure`` packs them:
-        :func:`_tensor_leaves`), outputs and output gradients; ``forward``
-        returns the replicas' outputs, ``loss`` their output gradients and
-        the reduced logs, ``backward`` a marker computed after the adds.
+        Called in cross-replica context with per-replica lists of the batch's
+        tensors (packed by the structure the group's trace keeps), outputs and
+        output gradients; ``forward`` returns the replicas' outputs, ``loss``
+        their output gradients and the reduced logs, ``backward`` a marker
+        computed after the adds and the largest drift.
         """
         model = self._model
         strategy = model.distribute_strategy
-        coupled = self
-        batch = {}  # the batch's structure, set by the group's trace (`pack`)
+        xla = model.jit_compile and not model.run_eagerly
 
-        def pack(leaves):
-            return _packed(batch["structure"], leaves)
+        def in_replica(method):
+            def run(leaves, *args):
+                return method(_packed(self._structure, leaves), *args)
 
-        def forward_in_replica(leaves, is_first):
-            return coupled.forward(pack(leaves), is_first)
-
-        def loss_in_replica(leaves, outputs):
-            return coupled.loss(pack(leaves), outputs)
-
-        def backward_in_replica(leaves, grads, is_first, first_outputs):
-            return coupled.backward(pack(leaves), grads, is_first, first_outputs)
-
-        if model.jit_compile and not model.run_eagerly:
             # One replica (XLA is refused with several): each a program of its own.
-            def compiled(fn):
-                return tf.function(fn, reduce_retracing=True, jit_compile=True, autograph=False)
+            if xla:
+                return tf.function(run, reduce_retracing=True, jit_compile=True, autograph=False)
+            return run
 
-            forward_in_replica = compiled(forward_in_replica)
-            loss_in_replica = compiled(loss_in_replica)
-            backward_in_replica = compiled(backward_in_replica)
+        forward_pass, loss_pass, backward_pass = map(
+            in_replica, (self.forward, self.loss, self.backward)
+        )
 
-        def forward(leaves, structure, is_first):
-            batch["structure"] = structure
-            result = strategy.run(forward_in_replica, args=(_distributed(leaves), is_first))
+        def forward(leaves, is_first):
+            result = strategy.run(forward_pass, args=(_distributed(leaves), is_first))
             return _replicas_results(strategy, result)
 
-        def loss(leaves, outputs, structure):
-            batch["structure"] = structure
+        def loss(leaves, outputs):
             grads, logs = strategy.run(
-                loss_in_replica, args=(_distributed(leaves), _distributed(outputs))
+                loss_pass, args=(_distributed(leaves), _distributed(outputs))
             )
             return _replicas_results(strategy, grads), reduce_replica_logs(logs, strategy)
 
-        def backward(leaves, grads, structure, is_first, first_outputs):
-            batch["structure"] = structure
+        def backward(leaves, grads, is_first, first_outputs):
             arguments = (_distributed(leaves), _distributed(grads), is_first)
-            marker, drift = strategy.run(
-                backward_in_replica, args=(*arguments, _distributed(first_outputs))
-            )
+            arguments += (_distributed(first_outputs),)
+            marker, drift = strategy.run(backward_pass, args=arguments)
             marker = ops.sum(ops.stack(strategy.experimental_local_results(marker)))
             return marker, ops.max(ops.stack(strategy.experimental_local_results(drift)))
 
         def update():
-            strategy.run(coupled.end_group)
+            strategy.run(self.end_group)
 
-        if model.jit_compile and not model.run_eagerly:
+        if xla:
             update = tf.function(update, jit_compile=True, autograph=False)
         return forward, loss, backward, update

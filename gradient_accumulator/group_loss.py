@@ -88,9 +88,7 @@ class GroupLoss:
         tracker.update_state(ops.cast(logged_loss, "float32"), sample_weight=size)
         if len(weighted) != self.num_classes:
             return  # a layout traced before this one was sized: the micro-batches' logs
-        outputs = outputs or []
-        if len(outputs) != self.num_outputs:
-            outputs = []
+        outputs = outputs if outputs and len(outputs) == self.num_outputs else []
         # What the group's end reads of the outputs (trace-time structure):
         # their trackers, and which are sums.
         self._outputs = [(each, None if n is None else 1.0) for each, _, n in outputs]
@@ -120,20 +118,13 @@ class GroupLoss:
         """
         if ends_group is False:
             return
-        outputs = getattr(self, "_outputs", [])
-        self._end_if(tracker, outputs, self.sums.read_value(), ends_group)
-
-    def forget_base(self):
-        """The trackers were reset: they hold nothing of the group."""
-        self.base.assign(ops.zeros_like(self.base))
-
-    def _end_if(self, tracker, outputs, sums, ends_group):
+        sums = self.sums.read_value()
         classes, quantities = self.num_classes, self.num_classes + self.num_outputs
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         parts, shares = sums[:quantities], sums[quantities:]
         losses = [ops.sum(tf.math.divide_no_nan(parts[:classes], shares[:classes])) * replicas]
         trackers = [tracker]
-        for k, (output_tracker, normaliser) in enumerate(outputs):
+        for k, (output_tracker, normaliser) in enumerate(getattr(self, "_outputs", [])):
             part, share = parts[classes + k], shares[classes + k]
             losses.append(part if normaliser is None else tf.math.divide_no_nan(part, share))
             trackers.append(output_tracker)
@@ -154,3 +145,7 @@ class GroupLoss:
         after += [base[k] for k in range(len(after), 2 * (1 + self.num_outputs))]
         self.base.assign(ops.where(ends, ops.stack(after), base))
         self.sums.assign(ops.where(ends, ops.zeros_like(sums), sums))
+
+    def forget_base(self):
+        """The trackers were reset: they hold nothing of the group."""
+        self.base.assign(ops.zeros_like(self.base))

@@ -43,11 +43,7 @@ from gradient_accumulator.validation import (
     check_strategy,
     check_train_step_not_overridden,
 )
-from gradient_accumulator.weighting import (
-    ClassPlan,
-    discover_classes,
-    may_add_losses,
-)
+from gradient_accumulator.weighting import ClassPlan, discover_classes, may_add_losses
 
 # The wrapper's own constructor arguments, in signature order: the one list
 # that `get_config`, `wrapper_config` and `replace_batchnorm_layers` read.
@@ -273,16 +269,9 @@ class GradientAccumulateModel(keras.Model):
         self.coupled_loss = check_coupled_loss(coupled_loss)
         self.gradient_norm = check_bool("gradient_norm", gradient_norm)
         self.noise_scale = check_bool("noise_scale", noise_scale)
-        (
-            self.noise_scale_smoothing,
-            self.noise_scale_micro_batches,
-            self.noise_scale_every,
-        ) = check_noise_scale_arguments(
-            self.noise_scale,
-            noise_scale_smoothing,
-            noise_scale_micro_batches,
-            noise_scale_every,
-            self.coupled_loss,
+        noise_arguments = (noise_scale_smoothing, noise_scale_micro_batches, noise_scale_every)
+        self.noise_scale_smoothing, self.noise_scale_micro_batches, self.noise_scale_every = (
+            check_noise_scale_arguments(self.noise_scale, *noise_arguments, self.coupled_loss)
         )
         super().__init__(*args, **kwargs)
         self._accumulator = None
@@ -355,14 +344,12 @@ class GradientAccumulateModel(keras.Model):
     def group_step(self, batches):
         """A whole accumulation group: one micro-step per batch, then the update.
 
-        Each micro-step's place in the group is known when the function is
-        traced, so whether to update is not decided at run time: the
-        ``len(batches) - 1`` first micro-steps only add to the sums, the last
-        one also updates (no conditional around the update; its one
-        conditional skips dividing the sums where the divisor is exactly 1,
-        outside XLA). The micro-steps run one after the other (each reads
-        its batch once the previous one has added its gradients), so that one
-        batch's activations are alive at a time. Call it in replica context, as Keras calls
+        Each micro-step's place is known when traced: the ``len(batches) - 1``
+        first only add to the sums, the last one also updates (no conditional
+        around the update; its one conditional skips dividing the sums where
+        the divisor is exactly 1, outside XLA). Each reads its batch once the
+        previous one has added its gradients, so that one batch's activations
+        are alive at a time. Call it in replica context, as Keras calls
         ``train_step``, at the start of a group (no micro-step pending).
 
         Args:
@@ -384,7 +371,7 @@ class GradientAccumulateModel(keras.Model):
 
     def fit(self, *args, **kwargs):
         bound = inspect.signature(super().fit).bind(*args, **kwargs)
-        if not builds_before_first_trace() and self._needs_class_discovery():
+        if not builds_before_first_trace() and self._needs_check("_classes_discovered"):
             # Keras < 3.5 has no build hook with a batch before the first
             # trace (`_maybe_symbolic_build`): the batch's spec comes from
             # fit's own arguments (arrays or a tf.data.Dataset).
@@ -423,7 +410,7 @@ class GradientAccumulateModel(keras.Model):
                     functools.partial(_first_replica, strategy), batch
                 )
             iterator = None
-        needs_batch = self._needs_class_discovery() or self._needs_coupling_check()
+        needs_batch = any(map(self._needs_check, ("_classes_discovered", "_coupling_checked")))
         if iterator is not None and data_batch is None and needs_batch:
             # No strategy: Keras builds in the first trace; the class
             # discovery and the coupling check need a batch now (fit resets
@@ -431,67 +418,49 @@ class GradientAccumulateModel(keras.Model):
             data_batch = first_batch(iterator)
             iterator = None
         result = super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
-        if data_batch is not None and self._needs_class_discovery():
+        if data_batch is not None and self._needs_check("_classes_discovered"):
             self._discover_normaliser_classes(tf.nest.map_structure(_spec, data_batch))
-        if data_batch is not None and self._needs_coupling_check():
+        if data_batch is not None and self._needs_check("_coupling_checked"):
             self._coupling_checked = True
             warn_if_loss_couples_samples(self, data_batch)
         return result
 
-    def _needs_coupling_check(self):
-        # Once per compile, where each micro-batch's loss is computed on its own.
+    def _needs_check(self, done):
+        # Once per compile (`done`: the check's flag), where each micro-batch's
+        # loss is computed on its own (a coupled loss's group is one loss: one class).
         return (
             self.optimizer is not None
             and self.accum_steps != 1
             and self.coupled_loss is None
-            and not getattr(self, "_coupling_checked", False)
-        )
-
-    def _needs_class_discovery(self):
-        # A coupled loss's group is one loss: one class.
-        return (
-            self.optimizer is not None
-            and self.accum_steps != 1
-            and self.coupled_loss is None
-            and not getattr(self, "_classes_discovered", False)
+            and not getattr(self, done, False)
         )
 
     def _discover_normaliser_classes(self, batch_spec):
         """Finds the loss's normaliser classes and what each reaches, before the first trace.
 
-        A symbolic pass of this model's forward pass and loss on
-        ``batch_spec``, the ``tf.TensorSpec`` structure of a batch ``(x, y,
-        sample_weight)`` (:func:`~gradient_accumulator.weighting.discover_classes`).
-        The accumulator then creates the classes' state eagerly,
-        under the strategy scope, never inside a traced step (which
-        tf.distribute forbids). A model with one loss (one target, Keras's
-        ``compute_loss``) has one class: no pass at all.
+        A symbolic pass of the forward pass and loss on ``batch_spec``, the
+        ``tf.TensorSpec`` structure of a batch ``(x, y, sample_weight)``
+        (:func:`~gradient_accumulator.weighting.discover_classes`); none for
+        one loss (one target, Keras's ``compute_loss``) and no data-dependent
+        additional one: one class. The classes' state is created here,
+        eagerly under the strategy scope: tf.distribute forbids it in a
+        traced step.
         """
         self._classes_discovered = True
-        _, y, _ = keras.utils.unpack_x_y_sample_weight(batch_spec)
+        data = keras.utils.unpack_x_y_sample_weight(batch_spec)
         self._ensure_accumulator()
-        if len(tf.nest.flatten(y)) < 2 and not may_add_losses(self):
-            # One loss and no data-dependent additional one: one class.
-            self._use_normaliser_classes(ClassPlan.one_class())
-            return
 
         def forward(x, y, sample_weight):
             with update_step_scope(tf.constant(False)):
                 return self._steps.forward(x, y, sample_weight, False)
 
-        plan = discover_classes(
-            forward,
-            self.trainable_variables,
-            self.distribute_strategy,
-            keras.utils.unpack_x_y_sample_weight(batch_spec),
-        )
-        self._use_normaliser_classes(plan)
-
-    def _use_normaliser_classes(self, plan):
-        """Configures the accumulator for ``plan``'s classes (a :class:`ClassPlan`)."""
-        variables = self.trainable_variables
+        plan = ClassPlan.one_class()
+        if len(tf.nest.flatten(data[1])) > 1 or may_add_losses(self):
+            plan = discover_classes(
+                forward, self.trainable_variables, self.distribute_strategy, data
+            )
         with self.distribute_strategy.scope():
-            self._accumulator.configure_classes(plan.routing, variables)
+            self._accumulator.configure_classes(plan.routing, self.trainable_variables)
         self._normaliser_classes = plan
 
     def make_train_function(self, force=False):
@@ -543,9 +512,8 @@ class GradientAccumulateModel(keras.Model):
         ``train_on_batch`` loops whose length is not a multiple of
         ``accum_steps``.
         """
-        if self._accumulator is None or self.optimizer is None:
-            return
-        self._runner.apply_pending()
+        if self._accumulator is not None and self.optimizer is not None:
+            self._runner.apply_pending()
 
     def get_config(self):
         return {**super().get_config(), **self.wrapper_config()}
@@ -596,9 +564,9 @@ class GradientAccumulateModel(keras.Model):
                 name="gradient_accumulator",
             )
             # Not tracked: a plain object (the group's loss sums are transient).
-            group_loss = None
-            if self.accum_steps > 1 and self.coupled_loss is None:
-                group_loss = GroupLoss(1)
+            group_loss = (
+                GroupLoss(1) if self.accum_steps > 1 and self.coupled_loss is None else None
+            )
         # A tf.Module: TF's checkpoint tracking picks it up, Keras's weight
         # tracking does not, so the sums are saved but are not model weights.
         self._accumulator = accumulator

@@ -2,13 +2,11 @@
 
 A *group* is ``accum_steps`` micro-steps (fewer at the end of an epoch)
 followed by one optimizer update. :class:`GroupRunner` runs the groups of
-one :class:`~gradient_accumulator.GradientAccumulateModel`. It decides where
+one :class:`~gradient_accumulator.GradientAccumulateModel`: it decides where
 and in which compiled function each step runs, and calls the model's steps
-through one interface, :class:`~gradient_accumulator.steps.ModelSteps`:
-``micro_step(data, micro)`` (one micro-batch added to the sums, in replica
-context), ``end_group(condition, ...)`` (the group's one end: statistics,
-logged loss, update) and ``with_update_logs(logs)``; and the coupled loss's
-group through :meth:`~gradient_accumulator.coupled.CoupledGroup.group_function`.
+through one interface, :class:`~gradient_accumulator.steps.ModelSteps`, and
+the coupled loss's group through
+:meth:`~gradient_accumulator.coupled.CoupledGroup.group_function`.
 
 The ways a group runs, each one case of the runner:
 
@@ -66,11 +64,6 @@ def after(done, data):
         return tf.nest.map_structure(
             lambda t: t if t is None else tf.identity(t), data, expand_composites=True
         )
-
-
-def local_sum(strategy, value):
-    """The sum of a per-replica scalar over the local replicas (a marker of every replica)."""
-    return ops.sum(ops.stack(strategy.experimental_local_results(value)))
 
 
 class EpochBoundary(keras.callbacks.Callback):
@@ -146,10 +139,6 @@ class GroupRunner:
             return self._functions.get((case, measures))
         return self._functions.get(case)
 
-    # ------------------------------------------------------------------
-    # fit's loop
-    # ------------------------------------------------------------------
-
     def begin_fit(self):
         """Prepares a ``fit`` call: returns its epoch boundary (a callback).
 
@@ -199,13 +188,10 @@ class GroupRunner:
         """
         model = self._model
         boundary = self.epoch_boundary
-        # `fit`'s loop expects `steps_per_execution` groups of a call (its
-        # own value, restored by then: see `begin_fit`); `train_on_batch`
-        # one batch, whatever `steps_per_execution` is (its iterator holds
-        # one).
-        per_call = 1
-        if boundary is not None:
-            per_call = model.steps_per_execution * model.accum_steps
+        # `fit`'s loop expects `steps_per_execution` groups of a call (its own
+        # value, restored by then: see `begin_fit`); `train_on_batch` one batch
+        # whatever `steps_per_execution` (its iterator holds one).
+        per_call = 1 if boundary is None else model.steps_per_execution * model.accum_steps
         case = self.case()
         if case == MICRO_STEPS:
             if model.coupled_loss is not None and model.accum_steps > 1:
@@ -226,11 +212,10 @@ class GroupRunner:
         return logs
 
     def forget_update_count(self):
-        """The update count may have moved outside this runner's view (the noise scale's schedule).
+        """Tells the noise scale's schedule that the update count may have moved outside its view.
 
-        Called where updates run that the whole-groups case does not count
-        (micro-steps, ``group_step``, a group applied early) and where the
-        count is set (a new ``fit``, a loaded file).
+        Where updates run that the whole-groups case does not count (micro-steps,
+        ``group_step``, a group applied early) or the count is set (a new ``fit``, a loaded file).
         """
         if self._steps.accumulator is not None:
             self._steps.accumulator.noise_schedule.forget()
@@ -244,25 +229,16 @@ class GroupRunner:
             self._functions[key] = function
         return self._functions[key]
 
-    # ------------------------------------------------------------------
-    # Whole groups
-    # ------------------------------------------------------------------
-
     def group_function(self, measures=True):
-        """One whole group: ``(iterator, length) -> logs``, compiled once for every length.
+        """One whole group (see the module): ``(iterator, length) -> logs``, for every length.
 
-        ``measures``: whether the noise scale measures its update (a
-        Python boolean: one function each).
-
-        ``length`` (an int32 scalar, 1 to ``accum_steps``) micro-batches are
-        fetched from ``iterator``. The ``length - 1`` first micro-steps run
-        in a ``tf.while_loop``, one after the other: each fetches its batch
-        once the previous one has added its gradients (nothing else orders
-        them, as the weights do not change inside a group, and TensorFlow
-        would run their forward passes side by side, holding several
-        micro-batches' activations). Then the last micro-step, and the
-        group's end. A micro-step is traced twice whatever the length (in
-        the loop and last), one fetch each.
+        ``length``: an int32 scalar, 1 to ``accum_steps``; a micro-step is
+        traced twice (in the loop and last), one fetch each. ``measures``:
+        whether the noise scale measures the update (a Python boolean: one
+        function each). The loop's fetch order is the only one between the
+        micro-steps (the weights do not change inside a group): without it
+        TensorFlow would run their forward passes side by side, holding
+        several micro-batches' activations.
         """
         model = self._model
         steps = self._steps
@@ -281,7 +257,8 @@ class GroupRunner:
                     else:
                         micro = accumulator.micro_step_at(index, length, False, measures)
                         marker, _ = strategy.run(steps.micro_step, args=(data, micro))
-                    return index + 1, local_sum(strategy, marker)
+                    local = strategy.experimental_local_results(marker)
+                    return index + 1, ops.sum(ops.stack(local))
 
                 start = (tf.constant(0, "int32"), tf.zeros((), "int64"))
                 _, done = tf.while_loop(lambda index, _: index < length - 1, add_one, start)
@@ -305,9 +282,8 @@ class GroupRunner:
 
         ``adding`` and ``last`` map ``(data, index, length)`` to ``(marker,
         logs)`` (one replica: XLA is refused with several); ``end()`` ends
-        the group. The last micro-step is the same program as the others
-        unless it computes something they do not
-        (:meth:`~gradient_accumulator.steps.ModelSteps.last_micro_step_differs`).
+        the group. The last micro-step is the others' program unless the
+        noise scale measures the last micro-batch only, in this update.
         """
         key = ("xla", measures)
         if key not in self._functions:
@@ -325,7 +301,8 @@ class GroupRunner:
                 return compiled(run)
 
             adding = step(False)
-            last = step(True) if steps.last_micro_step_differs(measures) else adding
+            last_only = measures and steps.accumulator.noise_schedule.last_only
+            last = step(True) if last_only else adding
             end = compiled(
                 lambda logs: strategy.run(steps.end_group, args=(True, measures, None, logs))
             )
@@ -352,12 +329,7 @@ class GroupRunner:
         )
 
     def group_of_batches(self, batches):
-        """``group_step``: a whole group of given batches, in replica context.
-
-        The whole-groups case unrolled over a Python sequence: each
-        micro-step reads its batch once the previous one has added its
-        gradients; the last one's logs are returned after the group's end.
-        """
+        """``group_step``: the whole-groups case unrolled over given batches (see its docstring)."""
         steps = self._steps
         accumulator = steps.accumulator
         self.forget_update_count()
@@ -367,10 +339,6 @@ class GroupRunner:
             micro = accumulator.micro_step_at(index, length)
             done, logs = steps.micro_step(after(done, data), micro)
         return steps.end_group(True, logs=logs)
-
-    # ------------------------------------------------------------------
-    # Micro-steps, and a group cut short
-    # ------------------------------------------------------------------
 
     def micro_steps_function(self):
         """``(iterator, steps) -> logs``: up to ``steps`` micro-steps, one call each.
@@ -422,14 +390,11 @@ class GroupRunner:
         if int(steps.accumulator.micro_step.numpy()) == 0:
             return
 
-        def make():
+        if "pending" not in self._functions:
+
             def pending():
                 condition = ops.greater(steps.accumulator.micro_step, 0)
                 self._model.distribute_strategy.run(steps.end_group, args=(condition,))
 
-            return pending
-
-        key = "pending"
-        if key not in self._functions:
-            self._functions[key] = tf.function(make(), autograph=False)
-        self._functions[key]()
+            self._functions["pending"] = tf.function(pending, autograph=False)
+        self._functions["pending"]()

@@ -3,20 +3,12 @@
 :class:`ModelSteps` is the interface between the group runner
 (:mod:`gradient_accumulator.runner`, which decides where and in which
 compiled function each runs) and a ``GradientAccumulateModel``:
-
-- :meth:`ModelSteps.micro_step`: one micro-batch's forward pass, its
-  weighted loss and gradients added to the sums;
-- :meth:`ModelSteps.end_group`: the group's end, written once for every way
-  a group runs: the statistics of layers that follow the update boundary
-  moved, the group's logged loss ended, and the update
-  (:func:`gradient_accumulator.update.apply_if`);
-- :meth:`ModelSteps.with_update_logs`: the last update's figures in the logs.
-
-A micro-step's way to the optimizer: the forward pass and the loss
-(:meth:`ModelSteps.forward`), the classes' gradients
-(:func:`~gradient_accumulator.weighting.class_gradients`), the add
-(:meth:`~gradient_accumulator.engine.GradientAccumulator.add`); then, at
-the group's end, the update.
+:meth:`~ModelSteps.micro_step` (the forward pass and the loss,
+:meth:`~ModelSteps.forward`; the classes' gradients,
+:func:`~gradient_accumulator.weighting.class_gradients`; the add,
+:meth:`~gradient_accumulator.engine.GradientAccumulator.add`), the group's
+one end for every way a group runs (:meth:`~ModelSteps.end_group`) and the
+last update's figures in the logs (:meth:`~ModelSteps.with_update_logs`).
 """
 
 import contextlib
@@ -137,10 +129,9 @@ class ModelSteps:
         if on_its_own:
             with tf.control_dependencies(inputs):
                 micro = accumulator.start_micro_step()
-        # The loss's normaliser classes (found before the first trace; one
-        # unless the loss mixes normalisers): each class's share of the loss
-        # is weighted on its own and has its own gradient, so a persistent
-        # tape where there are several.
+        # The loss's normaliser classes (found before the first trace; one unless
+        # the loss mixes normalisers) each have their own weight and gradient:
+        # a persistent tape where there are several.
         plan = getattr(model, "_normaliser_classes", None) or ClassPlan.one_class()
         group_loss = model._group_loss
         # The outputs' loss trackers, and their state before the forward pass
@@ -192,13 +183,12 @@ class ModelSteps:
     def end_group(self, condition, measures=None, present=None, logs=None):
         """The group's end, if ``condition``: statistics moved, group loss ended, update.
 
-        The one end of every way a group runs. Layers whose statistics follow
-        the update boundary move them (those that hold their replica's own
-        move them in the update, their pending statistics crossing the
-        replicas in the update's one reduction); the group's logged loss is
-        ended (:class:`~gradient_accumulator.group_loss.GroupLoss`); the
-        group's mean gradient goes to the optimizer and the sums are emptied
-        (:func:`gradient_accumulator.update.apply_if`).
+        The one end of every way a group runs. Layers that hold their
+        replica's own statistics move them in the update (their pending
+        statistics crossing the replicas in its one reduction), the others
+        here; :class:`~gradient_accumulator.group_loss.GroupLoss` ends the
+        logged loss; :func:`gradient_accumulator.update.apply_if` hands the
+        group's mean gradient to the optimizer and empties the sums.
 
         Args:
             condition: Python boolean (known when traced) or boolean tensor.
@@ -245,18 +235,9 @@ class ModelSteps:
             logs["gradient_norm"] = self.accumulator.gradient_norm.read_value()
         if model.noise_scale:
             figures = self.accumulator.noise_logs.read_value()
-            logs["noise_scale"] = figures[0]
-            logs["noise_scale_trace"] = figures[1]
-            logs["noise_scale_signal"] = figures[2]
+            for i, name in enumerate(("noise_scale", "noise_scale_trace", "noise_scale_signal")):
+                logs[name] = figures[i]
         return logs
-
-    def last_micro_step_differs(self, measures):
-        """Whether a group's last micro-step computes what the others do not (XLA: its own program).
-
-        Where the noise scale measures the last micro-batch only, in the
-        updates it measures.
-        """
-        return bool(measures and self.accumulator.noise_schedule.last_only)
 
     def forward(self, x, y, sample_weight, is_first):
         """The forward pass and the loss: ``(y_pred, MicroBatchLoss)`` (call on a tape).
@@ -275,10 +256,7 @@ class ModelSteps:
         return y_pred, MicroBatchLoss(loss, reductions, batch_size, model.losses, weight_only)
 
     def statistics_layers(self):
-        """Layers whose statistics follow the update boundary (AccumBatchNormalization).
-
-        At any depth, nested models included.
-        """
+        """Layers whose statistics follow the update boundary (AccumBatchNormalization), nested."""
         return [
             layer for layer in sublayers(self._model) if hasattr(layer, "apply_pending_statistics")
         ]
@@ -303,13 +281,11 @@ class ModelSteps:
             )
 
     def _add_noise_summary(self, micro_loss, class_grads, divisors, micro):
-        """Adds this micro-batch's gradient summary for the noise scale (``noise_scale=True``).
+        """Adds this micro-batch's gradient summary for the noise scale, where it is measured.
 
-        With ``noise_scale_micro_batches="last"``, the group's last
-        micro-step only measures its gradient (``micro.is_update_step``: a
-        Python boolean in a group's function, a tensor in Keras's train
-        step). With ``noise_scale_every > 1``, only the updates that the
-        schedule names (:class:`~gradient_accumulator.noise_scale.Schedule`).
+        Only the group's last micro-step with ``noise_scale_micro_batches="last"``
+        (``micro.is_update_step``: a Python boolean or a tensor), and only the
+        updates that the :class:`~gradient_accumulator.noise_scale.Schedule` names.
         """
         model = self._model
         accumulator = self.accumulator
@@ -346,18 +322,15 @@ class ModelSteps:
         accumulator.noise_sums.assign_add(summary, read_value=False)
 
     def _output_losses(self, micro_loss, trackers, before):
-        """Per output whose loss Keras logs apart, ``(tracker, loss, normaliser)``.
+        """Per output whose loss Keras logs apart, ``(tracker, loss, normaliser)``, or ``None``.
 
-        The loss is what Keras's forward pass added to the output's tracker
-        (``trackers``, and ``before``: their ``[total, count]`` before it), in the
-        tracker's units; the normaliser is its recorded reduction's, one
-        per output where the loss is Keras's own (``compute_loss`` not
-        overridden, one Keras loss per output). ``None`` otherwise (those
-        logs stay the micro-batches').
+        The loss is what the forward pass added to the output's tracker
+        (``before``: the ``trackers``' ``[total, count]`` before it); the
+        normaliser its recorded reduction's. ``None`` (the micro-batches'
+        logs) unless the loss is Keras's own, one per output.
         """
-        if not trackers or len(trackers) != len(micro_loss.records):
-            return None
-        if type(self._model).compute_loss is not keras.Model.compute_loss:
+        overridden = type(self._model).compute_loss is not keras.Model.compute_loss
+        if overridden or not trackers or len(trackers) != len(micro_loss.records):
             return None
         terms, _ = micro_loss.partition()
         if None in terms:
