@@ -348,7 +348,7 @@ class GroupRunner:
         a micro-step returns its logs; the next call's first fetch then ends
         the epoch, as Keras expects.
         """
-        if "micro_step" not in self._functions:
+        if MICRO_STEPS not in self._functions:
             model = self._model
             # Keras reads `steps_per_execution` when it builds the function
             # and when it traces it.
@@ -370,8 +370,8 @@ class GroupRunner:
                         break
                 return logs
 
-            self._functions["micro_step"] = micro_steps
-        return self._functions["micro_step"]
+            self._functions[MICRO_STEPS] = micro_steps
+        return self._functions[MICRO_STEPS]
 
     @contextlib.contextmanager
     def steps_per_execution_of(self, steps):

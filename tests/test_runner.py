@@ -191,6 +191,19 @@ def test_a_group_is_one_program_whatever_its_length():
     assert sizes[4] == sizes[64]
 
 
+def test_each_case_s_function_is_read_through_the_accessor():
+    model = build_dense(GradientAccumulateModel, accum_steps=2)
+    model.compile(OPTIMIZERS["sgd"](), "mse")
+    runner = model._runner
+    assert runner.compiled(MICRO_STEPS) is None and runner.compiled(WHOLE_GROUPS) is None
+    x, y = make_regression_data(8)
+    model.train_on_batch(x[:4], y[:4])  # one micro-step: Keras's train function
+    assert runner.compiled(MICRO_STEPS) is not None
+    model.apply_accumulated_gradients()
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)  # known length
+    assert runner.compiled(WHOLE_GROUPS) is not None
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_one_update_per_group_on_data_of_unknown_length(mode):
     # What the wrapper is compared with: plain Keras (3.3.3 and 3.15.1
