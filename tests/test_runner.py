@@ -193,7 +193,7 @@ def test_a_group_is_one_program_whatever_its_length():
 
 def test_each_case_s_function_is_read_through_the_accessor():
     model = build_dense(GradientAccumulateModel, accum_steps=2)
-    model.compile(OPTIMIZERS["sgd"](), "mse")
+    model.compile(OPTIMIZERS["sgd_momentum"](), "mse")
     runner = model._runner
     assert runner.compiled(MICRO_STEPS) is None and runner.compiled(WHOLE_GROUPS) is None
     x, y = make_regression_data(8)
