@@ -84,6 +84,16 @@ def raw_value(variable):
     return tf.convert_to_tensor(variable._value)
 
 
+def tf_variable(variable):
+    """The TensorFlow variable of a Keras variable (``variable`` itself if it is one).
+
+    Keras's TensorFlow variable class holds it as ``_value``; reading or
+    assigning it bypasses the autocast and the Keras wrapper (``.value`` is
+    the autocast read before Keras 3.10).
+    """
+    return getattr(variable, "_value", variable) if is_variable(variable) else variable
+
+
 _reductions = threading.local()
 
 

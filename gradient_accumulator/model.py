@@ -26,6 +26,7 @@ from gradient_accumulator.coupled import (
     check_coupled_loss,
     warn_if_loss_couples_samples,
 )
+from gradient_accumulator.distribute import is_multi_worker
 from gradient_accumulator.engine import GradientAccumulator, StateEntry, load_state, save_state
 from gradient_accumulator.group_loss import GroupLoss
 from gradient_accumulator.runner import GroupRunner
@@ -34,9 +35,11 @@ from gradient_accumulator.steps import ModelSteps, update_step_scope
 from gradient_accumulator.validation import (
     check_accum_steps,
     check_agc_arguments,
+    check_auto_micro_batch,
     check_bool,
     check_jit_compile,
     check_keyword_arguments,
+    check_micro_batch_size,
     check_noise_scale_arguments,
     check_optimizer_does_not_accumulate,
     check_statistics_layers,
@@ -49,6 +52,7 @@ from gradient_accumulator.weighting import ClassPlan, discover_classes, may_add_
 # that `get_config`, `wrapper_config` and `replace_batchnorm_layers` read.
 _WRAPPER_ARGUMENTS = (
     "accum_steps",
+    "micro_batch_size",
     "use_agc",
     "clip_factor",
     "eps",
@@ -155,6 +159,14 @@ class GradientAccumulateModel(keras.Model):
     Args:
         accum_steps: Integer >= 1, micro-batches per optimizer update; ``1``
             is plain Keras training.
+        micro_batch_size: ``None``, or ``"auto"``: ``fit``'s batch is then the
+            update's batch (``batch_size``, or the dataset's batch), which
+            ``fit`` cuts into the largest micro-batches that fit, found at
+            the first batch and lowered to the next smaller divisor of the
+            batch whenever a group runs out of memory (that group run again
+            from its start); ``accum_steps`` stays ``1``
+            (:ref:`auto-micro-batch`). ``None`` (the default): ``fit``'s
+            batch is the micro-batch, ``accum_steps`` of them per update.
         use_agc: Boolean, clip the mean gradient adaptively at each update
             (:func:`~gradient_accumulator.adaptive_clip_gradients`), before
             the optimizer. Defaults to ``False``.
@@ -239,6 +251,7 @@ class GradientAccumulateModel(keras.Model):
         self,
         *args,
         accum_steps: int = 1,
+        micro_batch_size: str | None = None,
         use_agc: bool = False,
         clip_factor: float = 0.01,
         eps: float = 1e-3,
@@ -259,6 +272,9 @@ class GradientAccumulateModel(keras.Model):
             REMOVED_MODEL_ARGUMENTS,
         )
         self.accum_steps = check_accum_steps(accum_steps)
+        self.micro_batch_size = check_micro_batch_size(
+            micro_batch_size, self.accum_steps, coupled_loss, noise_scale
+        )
         self.reduce_every_micro_step = check_bool(
             "reduce_every_micro_step", reduce_every_micro_step
         )
@@ -297,7 +313,7 @@ class GradientAccumulateModel(keras.Model):
             optimizer_chain(self.optimizer), self.accum_steps, "GradientAccumulateModel"
         )
         replicas = self.distribute_strategy.num_replicas_in_sync
-        if self.noise_scale and self.accum_steps == 1 and replicas == 1:
+        if self.noise_scale and not self._accumulates() and replicas == 1:
             raise ValueError(
                 f"Model '{self.name}' has `noise_scale=True` and one micro-batch per update "
                 "on one replica: the noise scale compares a micro-batch's gradient with a "
@@ -360,6 +376,13 @@ class GradientAccumulateModel(keras.Model):
             The logs of the last micro-step (the metrics over every
             micro-step seen since they were reset).
         """
+        if self.micro_batch_size is not None:
+            raise ValueError(
+                f"`group_step` runs one micro-step per batch given, and model '{self.name}' "
+                "chooses its micro-batches itself: train it with `fit` or `train_on_batch` "
+                "(one batch, one update). Received: "
+                f"micro_batch_size={self.micro_batch_size!r}"
+            )
         if self.coupled_loss is not None and self.accum_steps > 1:
             raise ValueError(
                 f"`group_step` runs one micro-step per batch, and model '{self.name}' has "
@@ -422,15 +445,35 @@ class GradientAccumulateModel(keras.Model):
             self._discover_normaliser_classes(tf.nest.map_structure(_spec, data_batch))
         if data_batch is not None and self._needs_check("_coupling_checked"):
             self._coupling_checked = True
+            if self.micro_batch_size is not None:
+                # The update's batch may not fit a forward pass: four rows
+                # show a coupling as well.
+                data_batch = tf.nest.map_structure(
+                    lambda t: None if t is None else t[:4], data_batch
+                )
             warn_if_loss_couples_samples(self, data_batch)
         return result
+
+    def _accumulates(self):
+        # Whether a group may have several micro-batches.
+        return self.accum_steps > 1 or self.micro_batch_size is not None
+
+    @property
+    def micro_batch_changes(self):
+        """The changes of the micro-batch in force (``micro_batch_size="auto"``), oldest first.
+
+        A list of :class:`~gradient_accumulator.auto_micro_batch.MicroBatchChange`:
+        the update whose group ran out of memory, the old and new micro-batch,
+        the error's first line.
+        """
+        return list(self._runner.auto.changes)
 
     def _needs_check(self, done):
         # Once per compile (`done`: the check's flag), where each micro-batch's
         # loss is computed on its own (a coupled loss's group is one loss: one class).
         return (
             self.optimizer is not None
-            and self.accum_steps != 1
+            and self._accumulates()
             and self.coupled_loss is None
             and not getattr(self, done, False)
         )
@@ -469,6 +512,9 @@ class GradientAccumulateModel(keras.Model):
         check_strategy(self, creation_strategy(self))
         check_train_step_not_overridden(self, GradientAccumulateModel)
         check_jit_compile(self)
+        check_auto_micro_batch(
+            self, self._steps.statistics_layers(), is_multi_worker(self.distribute_strategy)
+        )
         check_statistics_layers(self, self._steps.statistics_layers())
         if not force and self.train_function is not None:
             self._steps.check_variables()
@@ -564,9 +610,7 @@ class GradientAccumulateModel(keras.Model):
                 name="gradient_accumulator",
             )
             # Not tracked: a plain object (the group's loss sums are transient).
-            group_loss = (
-                GroupLoss(1) if self.accum_steps > 1 and self.coupled_loss is None else None
-            )
+            group_loss = GroupLoss(1) if self._accumulates() and self.coupled_loss is None else None
         # A tf.Module: TF's checkpoint tracking picks it up, Keras's weight
         # tracking does not, so the sums are saved but are not model weights.
         self._accumulator = accumulator

@@ -34,6 +34,11 @@ The ways a group runs, each one case of the runner:
 - **A group cut short** (:meth:`GroupRunner.apply_pending`): the end of a
   group that the data ended before ``accum_steps`` micro-steps (unknown
   length), at the epoch's end.
+- **Split batches** (:data:`SPLIT_BATCHES`, :meth:`GroupRunner.split_group_functions`):
+  ``micro_batch_size="auto"``: each of ``fit``'s batches is one group, cut
+  into micro-batches in the group's function; the micro-steps and the
+  group's end are two calls, so that a group that runs out of memory can be
+  run again (:mod:`gradient_accumulator.auto_micro_batch`).
 - **A group of given batches** (:meth:`GroupRunner.group_of_batches`):
   ``GradientAccumulateModel.group_step``, the whole-groups case unrolled
   over a custom loop's batches, in replica context.
@@ -50,10 +55,12 @@ import tensorflow as tf
 from keras import ops
 
 from gradient_accumulator._compat import reduce_replica_logs
+from gradient_accumulator.auto_micro_batch import AUTO, AutoMicroBatch
 
 WHOLE_GROUPS = "whole groups"
 COUPLED_GROUPS = "coupled whole groups"
 MICRO_STEPS = "micro-steps"
+SPLIT_BATCHES = "split batches"
 
 
 def after(done, data):
@@ -64,6 +71,19 @@ def after(done, data):
         return tf.nest.map_structure(
             lambda t: t if t is None else tf.identity(t), data, expand_composites=True
         )
+
+
+def _rows(data):
+    """The rows of a batch (its first tensor's), an int32 scalar."""
+    first = next(t for t in tf.nest.flatten(data) if t is not None)
+    if isinstance(first, tf.RaggedTensor):
+        return tf.cast(first.nrows(), "int32")
+    return tf.shape(first)[0]
+
+
+def local_sum(strategy, value):
+    """The sum of a per-replica scalar over the local replicas (a marker of every replica)."""
+    return ops.sum(ops.stack(strategy.experimental_local_results(value)))
 
 
 class EpochBoundary(keras.callbacks.Callback):
@@ -124,6 +144,7 @@ class GroupRunner:
         self._functions = {}
         self.epoch_boundary = None  # an EpochBoundary while `fit` runs
         self._fit_steps_per_execution = None
+        self.auto = AutoMicroBatch(model, steps, self.split_group_functions)
 
     def compiled(self, case, measures=True):
         """The function traced for ``case`` (for tests and benchmarks), or ``None`` before any.
@@ -168,11 +189,14 @@ class GroupRunner:
     def reset(self):
         """Forgets every traced function (a new ``compile`` or train function)."""
         self._functions = {}
+        self.auto.reset()
 
     def case(self):
         """What the coming call of the train function runs: one of the module's cases."""
         model = self._model
         boundary = self.epoch_boundary
+        if model.micro_batch_size == AUTO:
+            return SPLIT_BATCHES
         if boundary is None or boundary.epoch_steps is None or boundary.continues_group:
             return MICRO_STEPS
         if model.coupled_loss is not None and model.accum_steps > 1:
@@ -193,6 +217,9 @@ class GroupRunner:
         # whatever `steps_per_execution` (its iterator holds one).
         per_call = 1 if boundary is None else model.steps_per_execution * model.accum_steps
         case = self.case()
+        if case == SPLIT_BATCHES:
+            self.forget_update_count()
+            return self.auto.train_function(iterator, per_call)
         if case == MICRO_STEPS:
             if model.coupled_loss is not None and model.accum_steps > 1:
                 self._refuse_micro_steps()
@@ -257,8 +284,7 @@ class GroupRunner:
                     else:
                         micro = accumulator.micro_step_at(index, length, False, measures)
                         marker, _ = strategy.run(steps.micro_step, args=(data, micro))
-                    local = strategy.experimental_local_results(marker)
-                    return index + 1, ops.sum(ops.stack(local))
+                    return index + 1, local_sum(strategy, marker)
 
                 start = (tf.constant(0, "int32"), tf.zeros((), "int64"))
                 _, done = tf.while_loop(lambda index, _: index < length - 1, add_one, start)
@@ -308,6 +334,59 @@ class GroupRunner:
             )
             self._functions[key] = (adding, last, end)
         return self._functions[key]
+
+    def split_group_functions(self):
+        """``(group, end)``: one batch as one group, in two calls (``micro_batch_size="auto"``).
+
+        ``group(data, count, size)`` cuts each replica's rows of ``data`` into
+        ``count`` slices of ``size`` rows (a replica's last ones shorter where
+        its share is; the same first slice on every replica, which the
+        micro-batch weights take as the group's reference) and runs a
+        micro-step on each, one after
+        the other (each slice is read once the previous one has added its
+        gradients), the last one traced as the group's last; it writes the
+        sums, metrics and layers' state, never a weight or an optimizer
+        variable. ``end()`` ends the group and returns its logs. One trace
+        for every ``count`` and ``size``.
+        """
+        if SPLIT_BATCHES not in self._functions:
+            model, steps = self._model, self._steps
+            strategy = model.distribute_strategy
+
+            def micro_step(data, index, count, size, ends_group, done):
+                def run(data):
+                    rows = _rows(data)
+                    start = ops.minimum(index * size, rows)
+                    stop = ops.minimum(start + size, rows)
+                    micro = steps.accumulator.micro_step_at(index, count, ends_group, False)
+                    data = tf.nest.map_structure(
+                        lambda t: t if t is None else t[start:stop], after(done, data)
+                    )
+                    return steps.micro_step(data, micro)
+
+                marker, _ = strategy.run(run, args=(data,))
+                return local_sum(strategy, marker)
+
+            def group(data, count, size):
+                def add_one(index, done):
+                    return index + 1, micro_step(data, index, count, size, False, done)
+
+                start = (tf.constant(0, "int32"), tf.zeros((), "int64"))
+                _, done = tf.while_loop(lambda index, _: index < count - 1, add_one, start)
+                return micro_step(data, count - 1, count, size, True, done)
+
+            def end():
+                def run():
+                    logs = dict(model.get_metrics_result())
+                    return steps.end_group(True, False, None, logs)
+
+                return reduce_replica_logs(strategy.run(run), strategy)
+
+            self._functions[SPLIT_BATCHES] = (
+                self._compiled_once("split group", lambda: group),
+                self._compiled_once("split end", lambda: end),
+            )
+        return self._functions[SPLIT_BATCHES]
 
     def _refuse_micro_steps(self):
         model = self._model

@@ -261,6 +261,34 @@ class ModelSteps:
             layer for layer in sublayers(self._model) if hasattr(layer, "apply_pending_statistics")
         ]
 
+    def per_micro_batch_layers(self):
+        """Keras BatchNormalization layers (not AccumBatchNormalization): they see micro-batches."""
+        return [
+            layer
+            for layer in sublayers(self._model)
+            if isinstance(layer, keras.layers.BatchNormalization)
+            and not hasattr(layer, "apply_pending_statistics")
+        ]
+
+    def group_state(self):
+        """``(restorable, emptied)``: the variables a group's micro-steps write.
+
+        What a group that fails before its end must put back: ``restorable``
+        (the model's non-trainable variables, random seeds included, the
+        metrics', the group's logged loss, the accumulator's counters) as they
+        were, ``emptied`` (the sums) to zeros. The weights and the optimizer's
+        variables change only at the group's end.
+        """
+        model = self._model
+        accumulator = self.accumulator
+        emptied = accumulator.all_sums()
+        skipped = {id(v) for v in [*emptied, *model.trainable_variables]}
+        restorable = [*model.non_trainable_variables, *model.metrics_variables]
+        if model._group_loss is not None:
+            restorable += [model._group_loss.sums, model._group_loss.base]
+        restorable += [v for v in accumulator.variables if id(v) not in skipped]
+        return restorable, emptied
+
     def check_variables(self):
         """Refuses to train with a train function traced for other trainable variables.
 

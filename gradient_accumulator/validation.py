@@ -188,6 +188,67 @@ def check_train_step_not_overridden(model, wrapper_class):
     )
 
 
+def check_micro_batch_size(micro_batch_size, accum_steps, coupled_loss, noise_scale):
+    """Returns ``micro_batch_size`` (``None`` or ``"auto"``), or refuses it by name."""
+    if micro_batch_size is None:
+        return None
+    if micro_batch_size != "auto":
+        raise ValueError(
+            "`micro_batch_size` must be None (fit's batch is the micro-batch) or 'auto' (fit's "
+            "batch is the update's, cut into the micro-batches that fit). Received: "
+            f"micro_batch_size={micro_batch_size!r}"
+        )
+    if accum_steps != 1:
+        raise ValueError(
+            "`accum_steps` states the update's micro-batches, and micro_batch_size='auto' "
+            "chooses them: state the update's batch as fit's `batch_size` and leave "
+            f"accum_steps at 1. Received: accum_steps={accum_steps!r}, micro_batch_size='auto'"
+        )
+    for name, value, default in (
+        ("coupled_loss", coupled_loss, None),
+        ("noise_scale", noise_scale, False),
+    ):
+        if value != default:
+            raise ValueError(
+                "micro_batch_size='auto' does not yet support a coupled loss or the noise "
+                "scale: use accum_steps with the micro-batch as fit's batch_size. Received: "
+                f"{name}={value!r}, micro_batch_size='auto'"
+            )
+    return micro_batch_size
+
+
+def check_auto_micro_batch(model, statistics_layers, multi_worker):
+    """Refuses what ``micro_batch_size="auto"`` does not (yet) run: XLA, workers, AccumBN."""
+    if model.micro_batch_size is None:
+        return
+    strategy = model.distribute_strategy
+    name = type(strategy).__name__
+    if "MultiWorker" in name or multi_worker:
+        reason = (
+            f"under {name} a worker that runs out of memory stops alone while the others wait "
+            "in the update's reduction"
+        )
+    elif model.jit_compile and not model.run_eagerly:
+        reason = (
+            "with jit_compile=True a program that runs out of memory may leave the variables "
+            "it writes corrupted, so its group cannot be run again; compile with "
+            "jit_compile=False"
+        )
+    elif statistics_layers:
+        reason = (
+            f"layer '{statistics_layers[0].name}' (AccumBatchNormalization) counts a fixed "
+            "accum_steps, and a run-time micro-batch changes the group's length"
+        )
+    else:
+        return
+    raise ValueError(
+        f"Model '{model.name}' has micro_batch_size='auto', which cannot run here: {reason}. "
+        "Use accum_steps with the micro-batch as fit's batch_size "
+        "(gradient_accumulator.choose_micro_batch finds one that fits). Received: "
+        f"micro_batch_size='auto', strategy={name}, jit_compile={model.jit_compile!r}"
+    )
+
+
 def check_jit_compile(model):
     """Refuses XLA over several replicas, which TensorFlow fails obscurely."""
     strategy = model.distribute_strategy
@@ -206,6 +267,8 @@ def check_jit_compile(model):
 
 def check_statistics_layers(model, layers):
     """Refuses AccumBatchNormalization layers whose accum_steps differ."""
+    if getattr(model, "micro_batch_size", None) is not None:
+        return  # refused by `check_auto_micro_batch` when training starts
     for layer in layers:
         if layer.accum_steps != model.accum_steps:
             raise ValueError(

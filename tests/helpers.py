@@ -934,3 +934,75 @@ def install_keras_test_cases(namespace, module_names, import_module, wrap):
                 namespace[wrapped.__name__] = wrapped
                 installed += 1
     return installed
+
+
+# ----------------------------------------------------------------------------
+# Out-of-memory errors on demand (micro_batch_size="auto"): a real allocation
+# of 2**40 floats, which TensorFlow's CPU allocator refuses at once with
+# `tf.errors.ResourceExhaustedError`, as a device refuses what does not fit.
+# ----------------------------------------------------------------------------
+
+TOO_MANY_FLOATS = 2**40
+
+
+def allocate_if(condition):
+    """A scalar 0 that costs ``TOO_MANY_FLOATS`` floats (out of memory) where ``condition``."""
+    size = tf.where(condition, tf.constant(TOO_MANY_FLOATS, "int64"), tf.constant(1, "int64"))
+    return tf.reduce_sum(tf.fill([size], 0.0))
+
+
+class OutOfMemoryAbove(keras.layers.Layer):
+    """The identity, which runs out of memory on a batch of more than ``rows`` rows.
+
+    ``replica``: only in that replica (``None``: every one).
+    """
+
+    def __init__(self, rows, replica=None, **kwargs):
+        super().__init__(**kwargs)
+        self.rows, self.replica = rows, replica
+
+    def call(self, x):
+        condition = tf.shape(x)[0] > self.rows
+        context = tf.distribute.get_replica_context()  # None when built, in cross-replica context
+        if self.replica is not None and context is not None:
+            replica = context.replica_id_in_sync_group
+            condition = tf.logical_and(condition, tf.equal(replica, self.replica))
+        return x + tf.cast(allocate_if(condition), x.dtype)
+
+
+class OutOfMemoryAtCalls(keras.layers.Layer):
+    """The identity, which runs out of memory at its ``calls``-th training passes (0-based).
+
+    Counted in Python as they run (a ``tf.py_function``), whether or not
+    their step then fails: each listed pass fails once. Inference passes
+    (``training=False``) are not counted.
+    """
+
+    def __init__(self, calls, **kwargs):
+        super().__init__(**kwargs)
+        self.calls, self.count = set(calls), 0
+
+    def _fails(self):
+        fails = self.count in self.calls
+        self.count += 1
+        return fails
+
+    def call(self, x, training=None):
+        if not training:
+            return x
+        fails = tf.py_function(self._fails, [], tf.bool)
+        return x + tf.cast(allocate_if(tf.reshape(fails, ())), x.dtype)
+
+
+class OutOfMemoryInUpdate:
+    """A kernel constraint (run by the optimizer's update) that runs out of memory once armed."""
+
+    def __init__(self):
+        self.armed = False
+
+    def _fails(self):
+        return self.armed
+
+    def __call__(self, w):
+        fails = tf.py_function(self._fails, [], tf.bool)
+        return w + tf.cast(allocate_if(tf.reshape(fails, ())), w.dtype)

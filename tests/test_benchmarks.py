@@ -112,6 +112,10 @@ EXPECTED = {
         {"benchmark", "base", "rounds", "options", "quick", "results"},
         None,  # per configuration, per figure: this tree's, the base's, their difference
     ),
+    "auto_micro_batch": (
+        {"quick", "results"},
+        {"settled_over_fixed", "settled_over_fixed_cpu", "settle_groups", "recover_groups"},
+    ),
     "bn_overhead": (
         {"accum_steps", "widths", "micro_batch", "goal", "single_device", "mirrored"},
         {"mode", "accum_over_keras", "accumulate_only_over_keras", "update_step_over_keras"},

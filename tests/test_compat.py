@@ -420,3 +420,9 @@ def test_layer_state_internals():
         keras.mixed_precision.set_global_policy("float32")
     assert seen["autocast"] == tf.float16  # what `raw_value` must avoid
     assert seen["raw"] == tf.float32, _changed("Variable._value", "no longer the stored value")
+    stored = keras.Variable(1.0)
+    assert isinstance(_compat.tf_variable(stored), tf.Variable), _changed(
+        "Variable._value", "no longer a TensorFlow variable"
+    )
+    plain = tf.Variable(1.0)
+    assert _compat.tf_variable(plain) is plain

@@ -1,0 +1,240 @@
+"""The run-time micro-batch: ``fit`` splits each update's batch into the micro-batches that fit.
+
+With ``GradientAccumulateModel(micro_batch_size="auto")`` the user states the
+update's batch (``fit``'s ``batch_size``, or the dataset's batch) and
+:class:`AutoMicroBatch` runs each batch as one group: the batch cut into
+near-equal micro-batches of at most the micro-batch in force, their gradients
+summed, one update. The first group tries the whole batch; whenever a group
+runs out of memory (``tf.errors.ResourceExhaustedError``) it is run again
+from its start, on the same samples, at the next smaller divisor of the
+batch, which stays in force for the groups after it.
+
+A failed try leaves nothing behind: a group writes no weight and no optimizer
+variable before its last micro-step has added its gradients (the update is a
+call of its own, after the group's), and what its micro-steps write (the
+sums, the metrics, the group's logged loss, layers' statistics and random
+seeds) is put back as it was before the try, per replica. The retry
+therefore trains as if the failed try had not run: the same weights as the
+big batch, whatever the sequence of fall-backs.
+"""
+
+import logging
+from typing import NamedTuple
+
+import tensorflow as tf
+
+from gradient_accumulator._compat import tf_variable
+
+AUTO = "auto"
+
+LOGGER = logging.getLogger("gradient_accumulator")
+
+
+class MicroBatchChange(NamedTuple):
+    """One change of the micro-batch in force (``GradientAccumulateModel.micro_batch_changes``).
+
+    Attributes:
+        update: Integer, the optimizer's ``iterations`` when it happened (the
+            update whose group was run again).
+        old: Integer, the micro-batch that ran out of memory (all replicas').
+        new: Integer, the micro-batch that replaced it (all replicas').
+        reason: String, the error's first line.
+    """
+
+    update: int
+    old: int
+    new: int
+    reason: str
+
+
+def largest_divisor_below(rows, limit):
+    """The largest divisor of ``rows`` below ``limit`` (``None`` if ``limit <= 1``)."""
+    for candidate in range(min(limit, rows + 1) - 1, 0, -1):
+        if rows % candidate == 0:
+            return candidate
+    return None
+
+
+def _rows(value):
+    """The samples of one replica's batch, from its first tensor's static shape."""
+    for tensor in tf.nest.flatten(value):
+        if tensor is not None:
+            return int(tensor.shape[0])
+    raise ValueError("A batch of `fit` in `micro_batch_size='auto'` mode holds no tensor.")
+
+
+def _slices(rows, micro):
+    """``(count, size)``: slices of ``size`` rows of at most ``micro``, for replicas of ``rows``.
+
+    As few as ``micro`` allows, as equal as can be; the first slice the same
+    size on every replica where each has that many rows (a shorter share
+    ends in shorter slices): the micro-batch weights take a group's first
+    micro-batch as their reference on each replica, which must agree for
+    the update to be the batch's (an epoch's last batch that the replicas
+    share unevenly).
+    """
+    largest, smallest = max(rows), min(rows)
+    count = -(-largest // micro)
+    size = -(-largest // count)
+    while size > smallest > 0:
+        count += 1
+        size = -(-largest // count)
+    return count, size
+
+
+def _out_of_memory(message):
+    return tf.errors.ResourceExhaustedError(None, None, message)
+
+
+def _reason(error):
+    """The line of ``error`` that says what ran out of memory (TensorFlow's "OOM when ...")."""
+    lines = [line.strip() for line in str(getattr(error, "message", error)).splitlines()]
+    lines = [line for line in lines if line]
+    for line in lines:
+        if "OOM" in line or "out of memory" in line.lower():
+            return line
+    return lines[-1] if lines else type(error).__name__
+
+
+def _components(variables, strategy):
+    """The per-replica TensorFlow variables of ``variables``, each once."""
+    seen, components = set(), []
+    for variable in variables:
+        for component in strategy.experimental_local_results(tf_variable(variable)):
+            if id(component) not in seen:
+                seen.add(id(component))
+                components.append(component)
+    return components
+
+
+class AutoMicroBatch:
+    """Runs ``fit``'s batches as whole groups, choosing their micro-batch at run time.
+
+    Args:
+        model: The ``GradientAccumulateModel`` (``micro_batch_size="auto"``).
+        steps: Its :class:`~gradient_accumulator.steps.ModelSteps`.
+        functions: ``() -> (group, end)``, the runner's compiled functions
+            (:meth:`~gradient_accumulator.runner.GroupRunner.split_group_functions`).
+    """
+
+    def __init__(self, model, steps, functions):
+        self._model = model
+        self._steps = steps
+        self._functions = functions
+        self.micro_batch_size = None  # per replica; None: the whole batch, not tried yet
+        self.changes = []
+        self._state = None
+        self._warned_normalisation = False
+
+    def reset(self):
+        """Forgets the traced state lists (a new train function)."""
+        self._state = None
+
+    def train_function(self, iterator, batches):
+        """Up to ``batches`` groups, one per batch of ``iterator``: the logs of the last."""
+        logs = None
+        for _ in range(batches):
+            try:
+                data = next(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                if logs is None:
+                    raise
+                break
+            logs = self.run_group(data)
+        return logs
+
+    def run_group(self, data):
+        """One batch as one group, its micro-steps tried again smaller while out of memory."""
+        strategy = self._model.distribute_strategy
+        rows = [_rows(each) for each in strategy.experimental_local_results(data)]
+        largest = max(rows)
+        micro = min(self.micro_batch_size or largest, largest)
+        group, end = self._functions()
+        while True:
+            try:
+                self._micro_steps(group, data, *_slices(rows, micro))
+                break
+            except tf.errors.ResourceExhaustedError as error:
+                smaller = largest_divisor_below(largest, micro)
+                self._fall_back(micro, smaller, error)
+                micro = self.micro_batch_size = smaller
+        if self.micro_batch_size is None:
+            self.micro_batch_size = micro
+        try:
+            logs = end()
+        except tf.errors.ResourceExhaustedError as error:
+            raise _out_of_memory(
+                f"Model '{self._model.name}' ran out of memory in the optimizer's update, after "
+                "its group's gradients were summed. The micro-batch does not change the "
+                "update's memory (the weights, the sums and the optimizer's variables): the "
+                "weights and the optimizer's variables may be partly updated. Restore the last "
+                "checkpoint (keras.callbacks.BackupAndRestore) and train with an optimizer of "
+                "less state or a smaller model.",
+            ) from error
+        replicas = strategy.num_replicas_in_sync
+        return {**logs, "micro_batch_size": self.micro_batch_size * replicas}
+
+    def _micro_steps(self, group, data, count, size):
+        """The group's micro-steps; if they run out of memory, what they wrote is put back."""
+        count, size = tf.constant(count, "int32"), tf.constant(size, "int32")
+        if hasattr(group, "get_concrete_function"):
+            # Traced first: the variables its trace creates are put back too.
+            group.get_concrete_function(data, count, size)
+        restorable, emptied, read = self._state_components()
+        saved = read()
+        try:
+            group(data, count, size)
+        except tf.errors.ResourceExhaustedError:
+            for variable, value in zip(restorable, saved):
+                variable.assign(value)
+            for variable in emptied:
+                variable.assign(tf.zeros(variable.shape, variable.dtype))
+            raise
+
+    def _state_components(self):
+        """``(restorable, emptied, read)``: per-replica variables, and a function reading the first.
+
+        ``read()`` is one call (the snapshot of every group): its values
+        share the variables' memory until the group writes them.
+        """
+        if self._state is None:
+            strategy = self._model.distribute_strategy
+            restorable, emptied = self._steps.group_state()
+            restorable = _components(restorable, strategy)
+            read = tf.function(lambda: [variable.read_value() for variable in restorable])
+            self._state = (restorable, _components(emptied, strategy), read)
+        return self._state
+
+    def _fall_back(self, old, new, error):
+        model = self._model
+        replicas = model.distribute_strategy.num_replicas_in_sync
+        reason = _reason(error)
+        update = int(model.optimizer.iterations.numpy())
+        if new is None:
+            raise _out_of_memory(
+                f"Model '{model.name}' ran out of memory at micro-batch {old * replicas} "
+                f"(update {update}), with micro_batch_size='auto': one sample per replica "
+                "does not fit. Free memory on the device (another process, a smaller "
+                "validation batch), make the model smaller, use mixed precision "
+                "(keras.mixed_precision.set_global_policy('mixed_float16')), or spread the "
+                f"batch over more devices. The error: {reason}",
+            ) from error
+        self.changes.append(MicroBatchChange(update, old * replicas, new * replicas, reason))
+        LOGGER.warning(
+            "gradient_accumulator: model '%s' ran out of memory at micro-batch %d (update %d); "
+            "running its group again at micro-batch %d, in force from now on.",
+            model.name,
+            old * replicas,
+            update,
+            new * replicas,
+        )
+        if not self._warned_normalisation and self._steps.per_micro_batch_layers():
+            self._warned_normalisation = True
+            LOGGER.warning(
+                "gradient_accumulator: model '%s' has Keras BatchNormalization layers, which "
+                "normalise each micro-batch: from now on they see micro-batches of %d, not "
+                "the batch. Use gradient_accumulator.AccumBatchNormalization (see "
+                "replace_batchnorm_layers) for the batch's statistics.",
+                model.name,
+                new * replicas,
+            )

@@ -1,0 +1,304 @@
+"""micro_batch_size="auto": fit states the update's batch and falls back when memory runs out.
+
+Out-of-memory errors are real allocation failures (``tests.helpers``: a
+2**40-float tensor, refused by TensorFlow's CPU allocator at once), made
+where a test wants them: above a micro-batch size (a model whose whole batch
+does not fit and whose quarter does), or once at a given forward pass (the
+first or last micro-step of a group), or in the optimizer's update. The
+reference is plain Keras ``fit`` at the stated batch (float32: 1e-6, the
+sums' rounding), or, where layers see micro-batches (BatchNormalization,
+Dropout), ``accum_steps`` at the micro-batch the fall-backs end at.
+"""
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gradient_accumulator import AccumBatchNormalization, GradientAccumulateModel
+from tests.helpers import (
+    FLOAT32_ATOL,
+    OutOfMemoryAbove,
+    OutOfMemoryAtCalls,
+    OutOfMemoryInUpdate,
+    assert_diff_below,
+    make_regression_data,
+    max_abs_diff,
+    run_python,
+    run_script_module,
+    script_results,
+    unknown_length_dataset,
+)
+
+BATCH = 32
+X, Y = make_regression_data(88)  # batches of 32, 32, 24: the epoch's last one shorter
+EPOCHS = 2
+
+
+def build(cls=keras.Model, oom=None, batchnorm=False, dropout=False, constraint=None, **kwargs):
+    """A small MLP, the same weights at every call; ``oom`` (a layer) after its hidden layer."""
+    steps_per_execution = kwargs.pop("steps_per_execution", 1)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(16, activation="tanh", kernel_constraint=constraint)(inputs)
+    if oom is not None:
+        hidden = oom(hidden)
+    if batchnorm:
+        hidden = keras.layers.BatchNormalization()(hidden)
+    if dropout:
+        hidden = keras.layers.Dropout(0.3)(hidden)
+    model = cls(inputs=inputs, outputs=keras.layers.Dense(1)(hidden), **kwargs)
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss="mse",
+        metrics=["mae"],
+        steps_per_execution=steps_per_execution,
+    )
+    return model
+
+
+def auto(**kwargs):
+    return build(GradientAccumulateModel, micro_batch_size="auto", **kwargs)
+
+
+def fit(model, data="arrays", batch=BATCH, **kwargs):
+    if data == "unknown length":
+        return model.fit(unknown_length_dataset(X, Y, batch), epochs=EPOCHS, verbose=0, **kwargs)
+    if data == "dataset":
+        dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(batch)
+        return model.fit(dataset, epochs=EPOCHS, verbose=0, **kwargs)
+    return model.fit(X, Y, batch_size=batch, epochs=EPOCHS, shuffle=False, verbose=0, **kwargs)
+
+
+def changes(model):
+    return [(change.update, change.old, change.new) for change in model.micro_batch_changes]
+
+
+def assert_trains_as(reference, model, history, reference_history, atol=FLOAT32_ATOL):
+    assert_diff_below(max_abs_diff(reference.get_weights(), model.get_weights()), atol)
+    for name in ("loss", "mae"):
+        np.testing.assert_allclose(
+            history.history[name], reference_history.history[name], atol=atol
+        )
+    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
+
+
+DATA_PATHS = ["arrays", "dataset", "unknown length", "steps_per_execution 2"]
+
+
+@pytest.mark.parametrize("data", DATA_PATHS)
+def test_falls_back_to_the_micro_batch_that_fits_and_trains_as_the_big_batch(data):
+    # The whole batch (32) and its half do not fit, its quarter does: the
+    # first group falls back twice, then every group runs at 8 (the short
+    # last batch of 24 as three micro-batches).
+    kwargs = {"steps_per_execution": 2} if data == "steps_per_execution 2" else {}
+    data = "arrays" if kwargs else data
+    reference = build(**kwargs)
+    # Plain Keras counts one update too many on data of unknown length (the
+    # step that finds the data's end): its reference is the known length's.
+    reference_history = fit(reference, "arrays" if data == "unknown length" else data)
+    model = auto(oom=OutOfMemoryAbove(8), **kwargs)
+    history = fit(model, data)
+    assert_trains_as(reference, model, history, reference_history)
+    assert changes(model) == [(0, 32, 16), (0, 16, 8)]
+    assert history.history["micro_batch_size"] == [8] * EPOCHS
+
+
+def test_a_model_that_fits_runs_the_whole_batch_with_no_fall_back():
+    reference = build()
+    reference_history = fit(reference)
+    model = auto()
+    history = fit(model)
+    assert_trains_as(reference, model, history, reference_history)
+    assert changes(model) == []
+    assert history.history["micro_batch_size"] == [32] * EPOCHS
+
+
+def test_falls_back_to_one_sample_at_a_batch_of_128():
+    # The limits of the mode: a batch of 128 that fits only one sample at a
+    # time, seven fall-backs in the first group, 128 micro-steps a group.
+    x, y = make_regression_data(128, seed=4)
+    reference = build()
+    reference_history = reference.fit(x, y, batch_size=128, epochs=2, shuffle=False, verbose=0)
+    model = auto(oom=OutOfMemoryAbove(1))
+    history = model.fit(x, y, batch_size=128, epochs=2, shuffle=False, verbose=0)
+    assert_trains_as(reference, model, history, reference_history)
+    assert [new for _, _, new in changes(model)] == [64, 32, 16, 8, 4, 2, 1]
+
+
+def test_mixed_float16_falls_back_and_trains_as_the_big_batch():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        reference = build()
+        reference_history = fit(reference)
+        model = auto(oom=OutOfMemoryAbove(8))
+        history = fit(model)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    # float16 activations: the micro-batches' sums round apart from the batch's.
+    assert_trains_as(reference, model, history, reference_history, atol=2e-3)
+    assert changes(model) == [(0, 32, 16), (0, 16, 8)]
+
+
+@pytest.mark.parametrize(
+    "calls, expected",
+    [
+        # The first micro-step of the first group (the whole batch).
+        ({0}, [(0, 32, 16)]),
+        # Then the retry's last micro-step, after its first has added its
+        # gradients to the sums (which the retry must start without).
+        ({0, 2}, [(0, 32, 16), (0, 16, 8)]),
+        # The first micro-step of the epoch's short last group (24 rows as
+        # two micro-batches of 12): it falls to 24's next divisor, 12.
+        ({0, 5}, [(0, 32, 16), (2, 16, 12)]),
+    ],
+    ids=["first micro-step", "last micro-step", "a later group"],
+)
+def test_a_group_that_fails_at_any_micro_step_is_run_again_from_its_start(calls, expected):
+    reference = build()
+    reference_history = fit(reference)
+    model = auto(oom=OutOfMemoryAtCalls(calls))
+    history = fit(model)
+    assert_trains_as(reference, model, history, reference_history)
+    assert changes(model) == expected
+
+
+def test_a_failed_try_leaves_statistics_seeds_and_metrics_as_they_were():
+    # BatchNormalization's moving statistics and Dropout's seeds are written
+    # by every micro-step, the metrics too: after two failed tries the run
+    # equals one that trained at micro-batch 8 from the start.
+    reference = build(GradientAccumulateModel, accum_steps=4, batchnorm=True, dropout=True)
+    reference_history = fit(reference, batch=8)
+    model = auto(oom=OutOfMemoryAbove(8), batchnorm=True, dropout=True)
+    history = fit(model)
+    assert_trains_as(reference, model, history, reference_history)
+    assert changes(model) == [(0, 32, 16), (0, 16, 8)]
+
+
+def test_each_change_is_said_once_in_one_line(caplog):
+    model = auto(oom=OutOfMemoryAbove(8), batchnorm=True)
+    with caplog.at_level(logging.WARNING, logger="gradient_accumulator"):
+        fit(model)
+    lines = [record.getMessage() for record in caplog.records]
+    falls = [line for line in lines if "ran out of memory" in line]
+    assert len(falls) == 2
+    assert "micro-batch 32" in falls[0] and "micro-batch 16" in falls[0] and "update 0" in falls[0]
+    assert all("\n" not in line for line in lines)
+    # Keras's BatchNormalization normalises each micro-batch: said once.
+    assert len([line for line in lines if "AccumBatchNormalization" in line]) == 1
+
+
+def test_train_on_batch_is_one_update_of_the_batch():
+    reference = build()
+    model = auto(oom=OutOfMemoryAbove(8))
+    for start in (0, 32):
+        expected = reference.train_on_batch(X[start : start + 32], Y[start : start + 32])
+        logs = model.train_on_batch(X[start : start + 32], Y[start : start + 32], return_dict=True)
+        np.testing.assert_allclose(logs["loss"], expected[0], atol=FLOAT32_ATOL)
+    assert_diff_below(max_abs_diff(reference.get_weights(), model.get_weights()), FLOAT32_ATOL)
+    assert int(model.optimizer.iterations.numpy()) == 2
+
+
+def test_micro_batch_one_that_does_not_fit_ends_fit_saying_so():
+    model = auto(oom=OutOfMemoryAbove(0))
+    with pytest.raises(tf.errors.ResourceExhaustedError, match="one sample per replica"):
+        fit(model)
+    assert [new for _, _, new in changes(model)] == [16, 8, 4, 2, 1]
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_running_out_of_memory_in_the_update_ends_fit_saying_so():
+    constraint = OutOfMemoryInUpdate()
+    model = auto(constraint=constraint)
+
+    class Arm(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            constraint.armed = True
+
+    with pytest.raises(tf.errors.ResourceExhaustedError, match="in the optimizer's update"):
+        fit(model, callbacks=[Arm()])
+    assert changes(model) == []
+
+
+def test_the_mode_survives_serialization(tmp_path):
+    model = auto()
+    assert model.get_config()["micro_batch_size"] == "auto"
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.micro_batch_size == "auto" and loaded.accum_steps == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"micro_batch_size": 16}, "micro_batch_size=16"),
+        ({"micro_batch_size": "Auto"}, "micro_batch_size='Auto'"),
+        ({"micro_batch_size": "auto", "accum_steps": 4}, "accum_steps=4, micro_batch_size='auto'"),
+        ({"micro_batch_size": "auto", "coupled_loss": "replica"}, "coupled_loss='replica'"),
+        ({"micro_batch_size": "auto", "noise_scale": True}, "noise_scale=True"),
+    ],
+)
+def test_refuses_arguments_the_mode_cannot_take(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        build(GradientAccumulateModel, **kwargs)
+
+
+def test_refuses_xla_and_accum_batchnormalization_at_fit():
+    model = auto()
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    with pytest.raises(ValueError, match="jit_compile=True"):
+        fit(model)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    hidden = AccumBatchNormalization(accum_steps=4)(keras.layers.Dense(4)(inputs))
+    model = GradientAccumulateModel(
+        micro_batch_size="auto", inputs=inputs, outputs=keras.layers.Dense(1)(hidden)
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="AccumBatchNormalization"):
+        fit(model)
+
+
+def test_group_step_is_refused_in_the_mode():
+    model = auto()
+    with pytest.raises(ValueError, match="micro_batch_size='auto'"):
+        model.group_step([(X[:8], Y[:8])])
+
+
+@pytest.mark.slow
+def test_two_replicas_switch_together_and_train_as_the_big_batch():
+    result = script_results(run_script_module("mirrored_auto_micro_batch"))
+    assert result["moved"] > 0.05
+    for case in ("every", "one"):  # every replica out of memory, or replica 1 only
+        figures = result[case]
+        assert_diff_below(figures["diff"], FLOAT32_ATOL, case)
+        assert figures["changes"] == [[0, 32, 16], [0, 16, 8]], case
+        assert figures["iterations"] == 6, case
+        assert figures["logged"] == [8, 8], case
+
+
+# A real out-of-memory error: oneDNN's pooled CPU allocator capped at 24 MiB,
+# where the script's batch of 512 does not fit and its half does (each
+# refusal comes after the allocator's 10 s wait).
+CAPPED = {"TF_ENABLE_ONEDNN_OPTS": "1", "TF_MKL_ALLOC_MAX_BYTES": str(24 * 2**20)}
+
+
+@pytest.mark.slow
+def test_a_real_out_of_memory_error_falls_back_and_gives_its_memory_back(tmp_path):
+    script = ["-m", "tests.scripts.auto_micro_batch_oom"]
+    run_python([*script, "reference", str(tmp_path / "reference.npz")])
+    result = script_results(run_python([*script, "auto", str(tmp_path / "auto.npz")], env=CAPPED))
+    reference, model = np.load(tmp_path / "reference.npz"), np.load(tmp_path / "auto.npz")
+    diff = max(np.abs(reference[k] - model[k]).max() for k in reference.files)
+    assert_diff_below(diff, FLOAT32_ATOL)
+    assert result["changes"] == [[0, 512, 256]]
+    # The whole batch tried twice more once settled: each failed try gives
+    # back what it took (bytes in use as after the first group) and peaks
+    # no higher than the one before; the weights untouched.
+    before, settled, *after_failures = result["in_use"]
+    assert after_failures == [settled] * len(after_failures)
+    assert result["peaks"][1] <= result["peaks"][0]
+    assert result["after_failures"] == 0.0
