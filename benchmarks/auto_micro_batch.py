@@ -1,9 +1,10 @@
 """``micro_batch_size="auto"``: its cost once settled, the time to settle and to recover.
 
 The dense model of ``fit_time`` (256-512-512-10, Adam), batch 256 stated,
-behind a layer that runs out of memory above micro-batch 32 (a real
-allocation of 2**40 floats, which TensorFlow's CPU allocator refuses at
-once; the same layer, which never fires, in the fixed model):
+behind a layer that runs out of memory above micro-batch 32 (a
+``MemoryError`` in a ``tf.py_function``, which TensorFlow raises as
+``ResourceExhaustedError`` at once; the same layer, which never fires, in
+the fixed model):
 
 - **settled**: an epoch of 16 updates in the mode, settled at micro-batch
   32, against ``GradientAccumulateModel(accum_steps=8)`` at batch 32 on the
@@ -39,12 +40,17 @@ def out_of_memory_above(rows):
     import keras
     import tensorflow as tf
 
+    def raise_memory_error():
+        raise MemoryError("out of memory")  # TensorFlow's ResourceExhaustedError, at once
+
     class OutOfMemoryAbove(keras.layers.Layer):
         def call(self, x):
-            size = tf.where(
-                tf.shape(x)[0] > rows, tf.constant(2**40, "int64"), tf.constant(1, "int64")
+            fails = tf.cond(
+                tf.shape(x)[0] > rows,
+                lambda: tf.reshape(tf.py_function(raise_memory_error, [], tf.float32), ()),
+                lambda: tf.constant(0.0),
             )
-            return x + tf.reduce_sum(tf.fill([size], 0.0))
+            return x + fails
 
     return OutOfMemoryAbove()
 

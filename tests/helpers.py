@@ -937,18 +937,25 @@ def install_keras_test_cases(namespace, module_names, import_module, wrap):
 
 
 # ----------------------------------------------------------------------------
-# Out-of-memory errors on demand (micro_batch_size="auto"): a real allocation
-# of 2**40 floats, which TensorFlow's CPU allocator refuses at once with
-# `tf.errors.ResourceExhaustedError`, as a device refuses what does not fit.
+# Out-of-memory errors on demand (micro_batch_size="auto"): a MemoryError raised
+# in a `tf.py_function`, which TensorFlow turns into the
+# `tf.errors.ResourceExhaustedError` a device's allocator raises, at once (a
+# real allocation that fails first waits 10 s in a pooled allocator, oneDNN's
+# on a CPU: tests/scripts/auto_micro_batch_oom.py makes those).
 # ----------------------------------------------------------------------------
 
-TOO_MANY_FLOATS = 2**40
+
+def _raise_memory_error():
+    raise MemoryError("injected: out of memory")
 
 
-def allocate_if(condition):
-    """A scalar 0 that costs ``TOO_MANY_FLOATS`` floats (out of memory) where ``condition``."""
-    size = tf.where(condition, tf.constant(TOO_MANY_FLOATS, "int64"), tf.constant(1, "int64"))
-    return tf.reduce_sum(tf.fill([size], 0.0))
+def out_of_memory_if(condition):
+    """A float32 0, computed where ``condition`` is False; out of memory where it is True."""
+    return tf.cond(
+        condition,
+        lambda: tf.reshape(tf.py_function(_raise_memory_error, [], tf.float32), ()),
+        lambda: tf.constant(0.0),
+    )
 
 
 class OutOfMemoryAbove(keras.layers.Layer):
@@ -967,7 +974,7 @@ class OutOfMemoryAbove(keras.layers.Layer):
         if self.replica is not None and context is not None:
             replica = context.replica_id_in_sync_group
             condition = tf.logical_and(condition, tf.equal(replica, self.replica))
-        return x + tf.cast(allocate_if(condition), x.dtype)
+        return x + tf.cast(out_of_memory_if(condition), x.dtype)
 
 
 class OutOfMemoryAtCalls(keras.layers.Layer):
@@ -991,7 +998,7 @@ class OutOfMemoryAtCalls(keras.layers.Layer):
         if not training:
             return x
         fails = tf.py_function(self._fails, [], tf.bool)
-        return x + tf.cast(allocate_if(tf.reshape(fails, ())), x.dtype)
+        return x + tf.cast(out_of_memory_if(tf.reshape(fails, ())), x.dtype)
 
 
 class OutOfMemoryInUpdate:
@@ -1005,4 +1012,4 @@ class OutOfMemoryInUpdate:
 
     def __call__(self, w):
         fails = tf.py_function(self._fails, [], tf.bool)
-        return w + tf.cast(allocate_if(tf.reshape(fails, ())), w.dtype)
+        return w + tf.cast(out_of_memory_if(tf.reshape(fails, ())), w.dtype)

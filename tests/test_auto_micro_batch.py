@@ -1,13 +1,15 @@
 """micro_batch_size="auto": fit states the update's batch and falls back when memory runs out.
 
-Out-of-memory errors are real allocation failures (``tests.helpers``: a
-2**40-float tensor, refused by TensorFlow's CPU allocator at once), made
-where a test wants them: above a micro-batch size (a model whose whole batch
-does not fit and whose quarter does), or once at a given forward pass (the
-first or last micro-step of a group), or in the optimizer's update. The
-reference is plain Keras ``fit`` at the stated batch (float32: 1e-6, the
-sums' rounding), or, where layers see micro-batches (BatchNormalization,
-Dropout), ``accum_steps`` at the micro-batch the fall-backs end at.
+Out-of-memory errors are TensorFlow's ``ResourceExhaustedError`` raised by an
+op of the model (``tests.helpers``: a ``MemoryError`` in a ``tf.py_function``,
+at once), made where a test wants them: above a micro-batch size (a model
+whose whole batch does not fit and whose quarter does), or once at a given
+forward pass (the first or last micro-step of a group), or in the
+optimizer's update; and a real one (an allocation refused by TensorFlow's
+capped CPU allocator) in a process of its own. The reference is plain Keras
+``fit`` at the stated batch (float32: 1e-6, the sums' rounding), or, where
+layers see micro-batches (BatchNormalization, Dropout), ``accum_steps`` at
+the micro-batch the fall-backs end at.
 """
 
 import logging
