@@ -294,7 +294,7 @@ def test_a_real_out_of_memory_error_falls_back_and_gives_its_memory_back(tmp_pat
     run_python([*script, "reference", str(tmp_path / "reference.npz")])
     result = script_results(run_python([*script, "auto", str(tmp_path / "auto.npz")], env=CAPPED))
     reference, model = np.load(tmp_path / "reference.npz"), np.load(tmp_path / "auto.npz")
-    diff = max(np.abs(reference[k] - model[k]).max() for k in reference.files)
+    diff = max(float(np.abs(reference[k] - model[k]).max()) for k in reference.files)
     assert_diff_below(diff, FLOAT32_ATOL)
     assert result["changes"] == [[0, 512, 256]]
     # The whole batch tried twice more once settled: each failed try gives
