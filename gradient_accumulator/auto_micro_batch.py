@@ -56,11 +56,8 @@ def largest_divisor_below(rows, limit):
 
 
 def _rows(value):
-    """The samples of one replica's batch, from its first tensor's static shape."""
-    for tensor in tf.nest.flatten(value):
-        if tensor is not None:
-            return int(tensor.shape[0])
-    raise ValueError("A batch of `fit` in `micro_batch_size='auto'` mode holds no tensor.")
+    """The samples of one replica's batch (eager tensors): its first tensor's rows."""
+    return int(next(t for t in tf.nest.flatten(value) if t is not None).shape[0])
 
 
 def _slices(rows, micro):

@@ -343,18 +343,18 @@ def check_accum_steps_or_schedule(accum_steps):
 
 def check_optimizer(optimizer):
     """Returns ``optimizer`` as a Keras optimizer instance or raises naming it."""
-
-    def refused(suffix=""):
-        return ValueError(
-            "`optimizer` must be a `keras.optimizers.Optimizer` instance or the name of one, "
-            f"such as 'adam'. Received: optimizer={optimizer!r}{suffix}"
-        )
-
     if isinstance(optimizer, (str, dict)):
         try:
             optimizer = keras.optimizers.get(optimizer)
         except ValueError as error:
-            raise refused() from error
+            raise ValueError(
+                "`optimizer` must be a `keras.optimizers.Optimizer` instance or the name of "
+                f"one, such as 'adam'. Received: optimizer={optimizer!r}"
+            ) from error
     if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise refused(f" of type {type(optimizer).__name__}")
+        raise ValueError(
+            "`optimizer` must be a `keras.optimizers.Optimizer` instance or the name of one, "
+            f"such as 'adam'. Received: optimizer={optimizer!r} of type "
+            f"{type(optimizer).__name__}"
+        )
     return optimizer
