@@ -152,7 +152,8 @@ class GroupRunner:
         Args:
             case: :data:`WHOLE_GROUPS` (the group's function), ``"xla"``
                 (under XLA, its programs: ``(adding, last, end)``),
-                :data:`COUPLED_GROUPS` or :data:`MICRO_STEPS`.
+                :data:`COUPLED_GROUPS`, :data:`MICRO_STEPS` or
+                :data:`SPLIT_BATCHES` (``(group, end)``).
             measures: For the whole groups: the function of the groups the
                 noise scale measures (``True``) or skips.
         """

@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOptimizer
-from gradient_accumulator.runner import MICRO_STEPS, WHOLE_GROUPS
+from gradient_accumulator.runner import MICRO_STEPS, SPLIT_BATCHES, WHOLE_GROUPS
 from tests.helpers import (
     FLOAT32_ATOL,
     KERAS_VERSION,
@@ -202,6 +202,11 @@ def test_each_case_s_function_is_read_through_the_accessor():
     model.apply_accumulated_gradients()
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)  # known length
     assert runner.compiled(WHOLE_GROUPS) is not None
+    auto = build_dense(GradientAccumulateModel, micro_batch_size="auto")
+    auto.compile(OPTIMIZERS["sgd_momentum"](), "mse")
+    auto.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    group, end = auto._runner.compiled(SPLIT_BATCHES)
+    assert group is not None and end is not None
 
 
 @pytest.mark.parametrize("mode", list(MODES))
