@@ -232,7 +232,8 @@ def apply_if(
 
     Call in replica context. The sums (unless reduced at every micro-step),
     the divisors and ``statistics`` cross the replicas in one batch, only if
-    ``condition`` (:func:`~gradient_accumulator.distribute.sum_across_replicas_if`).
+    ``condition`` (under ``tf.cond``; where collectives cannot run in a
+    conditional, :func:`~gradient_accumulator.distribute.sum_across_replicas_if`).
 
     Args:
         accumulator: The :class:`~gradient_accumulator.engine.GradientAccumulator`.
@@ -259,10 +260,15 @@ def apply_if(
     update = functools.partial(_update, accumulator, plan, optimizer, variables, noise_measured)
     values = plan.values_to_reduce()
     with gradients_already_reduced(optimizer):
-        if condition is True and supports_collectives_in_conditionals():
-            update(*sum_in_replica(values))  # what the next call does, with fewer frames
-        else:
+        if not supports_collectives_in_conditionals():
+            # MirroredStrategy on CPUs: decided and reduced in cross-replica
+            # context (`merge_call`), then back in each replica.
             sum_across_replicas_if(condition, values, update)
+        elif condition is True:
+            update(*sum_in_replica(values))
+        else:
+            # In replica context, with no call from distribute back into this module.
+            tf.cond(condition, lambda: update(*sum_in_replica(values)), lambda: None)
 
 
 def step(accumulator, class_grads, divisors, condition, optimizer, variables, statistics=()):
