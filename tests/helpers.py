@@ -1001,10 +1001,11 @@ class OutOfMemoryAtCalls(keras.layers.Layer):
         return x + tf.cast(out_of_memory_if(tf.reshape(fails, ())), x.dtype)
 
 
-class OutOfMemoryInUpdate:
+class OutOfMemoryInUpdate(keras.constraints.Constraint):
     """A kernel constraint (run by the optimizer's update) that runs out of memory once armed."""
 
     def __init__(self):
+        super().__init__()
         self.armed = False
 
     def _fails(self):

@@ -97,9 +97,11 @@ def test_falls_back_to_the_micro_batch_that_fits_and_trains_as_the_big_batch(dat
     # last batch of 24 as three micro-batches).
     kwargs = {"steps_per_execution": 2} if data == "steps_per_execution 2" else {}
     data = "arrays" if kwargs else data
-    reference = build(**kwargs)
     # Plain Keras counts one update too many on data of unknown length (the
-    # step that finds the data's end): its reference is the known length's.
+    # step that finds the data's end), and Keras < 3.7 at an epoch's end that
+    # `steps_per_execution` does not divide: the reference is arrays' at
+    # steps_per_execution=1.
+    reference = build()
     reference_history = fit(reference, "arrays" if data == "unknown length" else data)
     model = auto(oom=OutOfMemoryAbove(8), **kwargs)
     history = fit(model, data)
