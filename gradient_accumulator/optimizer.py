@@ -215,12 +215,14 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     :doc:`/guides/custom_loop`.
 
     State (``accumulation_variables``, replica-local, saved with the
-    optimizer): ``<variable>_accumulator``, ``sum_i(g_i)`` per trainable
-    variable (``max_i(g_i)`` for float8 scales and amax histories, which
-    optimizers assign); ``weight_sum``, ``sum_i(w_i)``; ``micro_step``, the
-    micro-steps of the group; ``update_count``, the updates made;
-    ``group_reference`` (unused here). ``variables`` are the inner
-    optimizer's.
+    optimizer): ``<variable>_accumulator``, ``sum_i(w_i * g_i)`` per
+    trainable variable (``w_i = 1`` without :meth:`scale_loss`;
+    ``max_i(g_i)`` for float8 scales and amax histories, which optimizers
+    assign); ``weight_sum``, ``sum_i(w_i)``; ``micro_step``, the micro-steps
+    of the group; ``update_count``, the updates made; ``group_reference``,
+    the reference ``C_1 * K`` of the group's weights, which
+    :meth:`scale_loss` sets at a group's first micro-step. ``variables`` are
+    the inner optimizer's.
 
     Args:
         optimizer: A ``keras.optimizers.Optimizer``, or its name or config
