@@ -174,8 +174,9 @@ class AutoMicroBatch:
     def _micro_steps(self, group, data, count, size):
         """The group's micro-steps; if they run out of memory, what they wrote is put back."""
         count, size = tf.constant(count, "int32"), tf.constant(size, "int32")
-        if hasattr(group, "get_concrete_function"):
-            # Traced first: the variables its trace creates are put back too.
+        if self._state is None and hasattr(group, "get_concrete_function"):
+            # Traced before the state is listed: the variables its first trace
+            # creates (Keras builds some there) are put back too.
             group.get_concrete_function(data, count, size)
         restorable, emptied, read = self._state_components()
         saved = read()
@@ -198,7 +199,9 @@ class AutoMicroBatch:
             strategy = self._model.distribute_strategy
             restorable, emptied = self._steps.group_state()
             restorable = _components(restorable, strategy)
-            read = tf.function(lambda: [variable.read_value() for variable in restorable])
+            read = tf.function(
+                lambda: [variable.read_value() for variable in restorable], autograph=False
+            )
             self._state = (restorable, _components(emptied, strategy), read)
         return self._state
 
