@@ -21,9 +21,11 @@ big batch, whatever the sequence of fall-backs.
 import logging
 from typing import NamedTuple
 
+import keras
 import tensorflow as tf
 
 from gradient_accumulator._compat import tf_variable
+from gradient_accumulator.engine import make_writes, writes_returned
 
 AUTO = "auto"
 
@@ -102,6 +104,98 @@ def _components(variables, strategy):
                 seen.add(id(component))
                 components.append(component)
     return components
+
+
+# Operations that write a variable: none may be in a program that can run out
+# of memory under XLA (below).
+_WRITES = ("Assign", "ResourceScatter", "ResourceStridedSliceAssign", "ResourceApply")
+
+
+def _writes_in(concrete):
+    """The operations of ``concrete`` (a traced function) that write variables, nested ones too."""
+    graph = concrete.graph.as_graph_def()
+    nodes = [*graph.node, *(n for f in graph.library.function for n in f.node_def)]
+    return sorted({n.op for n in nodes if n.op.startswith(_WRITES)})
+
+
+def xla_micro_step(model, steps, ends_group):
+    """Under XLA, a micro-step as a program that writes no variable, then its writes.
+
+    An XLA program that runs out of memory frees the buffers of the
+    variables it writes while they are in use (the process then crashes or
+    trains on garbage); one that writes none fails cleanly. So the
+    micro-step's forward and backward pass, the add's gradients included,
+    run as one XLA program whose writes (Keras's variables' in a
+    ``keras.StatelessScope``, the accumulator's listed by
+    :func:`~gradient_accumulator.engine.writes_returned`) are its outputs,
+    and a graph-mode step after it makes them: the sums added in place, as
+    the other micro-steps add them.
+
+    Returns:
+        ``run(data, index, count) -> marker``, to call in a compiled
+        function in cross-replica context: the accumulator's count read once
+        the writes are made.
+    """
+    strategy = model.distribute_strategy
+    listed = []  # the writes, (variable, kind), as the last trace made them
+
+    def replica(data, index, count):
+        micro = steps.accumulator.micro_step_at(index, count, ends_group, False)
+        scope = keras.StatelessScope()
+        try:
+            with scope, writes_returned() as raw:
+                steps.micro_step(data, micro)
+        finally:
+            # Listed after the step, whose first trace builds the compiled metrics.
+            restorable, emptied = steps.group_state()
+            known = {id(v): v for v in [*restorable, *emptied]}
+            names = {id(v): v.path for v in model.variables}
+            weights = {id(v) for v in model.trainable_variables}
+            unknown = [
+                names.get(key, "?")
+                for key in scope.state_mapping
+                if key not in known or key in weights
+            ]
+            if unknown:
+                # A layer that writes a weight (Keras's SpectralNormalization) ends
+                # the step with an error of the tape's (the weight read as a tensor).
+                raise ValueError(
+                    f"Model '{model.name}' writes variables in its training call that "
+                    "micro_batch_size='auto' with jit_compile=True cannot return from the "
+                    "micro-step's program (a weight, written by a layer such as "
+                    "SpectralNormalization). Compile with jit_compile=False. Received: writes "
+                    f"of {unknown}"
+                )
+        writes = [(known[key], "assign", value) for key, value in scope.state_mapping.items()]
+        writes += raw
+        listed[:] = [(variable, kind) for variable, kind, _ in writes]
+        return [value for _, _, value in writes]
+
+    program = tf.function(replica, jit_compile=True, reduce_retracing=True, autograph=False)
+    checked = []
+
+    def run(data, index, count):
+        values = strategy.run(program, args=(data, index, count))
+        if not checked:
+            writes = _writes_in(program.get_concrete_function(data, index, count))
+            if writes:
+                raise ValueError(
+                    f"Model '{model.name}' writes variables in its micro-step that Keras does "
+                    "not track (a TensorFlow variable of a layer's): under XLA an out-of-memory "
+                    "error would corrupt them, so micro_batch_size='auto' with "
+                    "jit_compile=True cannot train it. Compile with jit_compile=False. "
+                    f"Received: a program that writes variables ({', '.join(writes)})"
+                )
+            checked.append(True)
+
+        def make(values):
+            writes = [(variable, kind, None) for variable, kind in listed]
+            with tf.control_dependencies(make_writes(writes, values)):
+                return steps.accumulator.micro_step.read_value()
+
+        return strategy.run(make, args=(values,))
+
+    return run
 
 
 class AutoMicroBatch:

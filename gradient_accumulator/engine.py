@@ -11,6 +11,8 @@ layers such as ``AccumBatchNormalization``
 (:func:`gradient_accumulator.steps.current_update_step`).
 """
 
+import contextlib
+import threading
 import warnings
 
 import numpy as np
@@ -161,19 +163,69 @@ def replica_local(value, shape, dtype, name, aggregation):
     )
 
 
+_deferred = threading.local()
+
+
+@contextlib.contextmanager
+def writes_returned():
+    """Within, the accumulator's writes of its own variables are listed, not made.
+
+    Yields the list, ``(variable, kind, value)`` in the order written
+    (``kind``: ``"assign"``, ``"add"``, or ``"scatter_add"`` with
+    ``tf.IndexedSlices``); :func:`make_writes` makes them. For a program
+    that must write no variable (a micro-step under XLA that may run out of
+    memory: ``gradient_accumulator.auto_micro_batch``); the writes of Keras
+    variables go to a ``keras.StatelessScope`` there.
+    """
+    previous = getattr(_deferred, "writes", None)
+    _deferred.writes = []
+    try:
+        yield _deferred.writes
+    finally:
+        _deferred.writes = previous
+
+
+def make_writes(writes, values=None):
+    """Makes ``writes`` (from :func:`writes_returned`), ``values`` in place of theirs if given.
+
+    Returns the write operations.
+    """
+    made = []
+    for k, (variable, kind, value) in enumerate(writes):
+        value = value if values is None else values[k]
+        # Keras's variables (written by a Keras layer or metric) take no `read_value`.
+        keyword = {"read_value": False} if isinstance(variable, tf.Variable) else {}
+        if kind == "assign":
+            made.append(variable.assign(value, **keyword))
+        elif kind == "scatter_add":
+            made.append(scatter_add_in_place(variable, value))
+        else:
+            made.append(variable.assign_add(value, **keyword))
+    return made
+
+
+def write(variable, kind, value):
+    """Writes ``value`` into ``variable`` (``kind``: see :func:`writes_returned`), or lists it there."""
+    writes = getattr(_deferred, "writes", None)
+    if writes is None:
+        return make_writes([(variable, kind, value)])[0]
+    writes.append((variable, kind, value))
+    return None
+
+
 def _maximum_in_place(acc, grad, is_first):
     """``acc`` becomes ``grad`` at a group's first micro-step, else ``max(acc, grad)``."""
     grad = ops.cast(tf.convert_to_tensor(grad), "float32")  # IndexedSlices densified
-    return acc.assign(ops.where(is_first, grad, ops.maximum(acc, grad)), read_value=False)
+    return write(acc, "assign", ops.where(is_first, grad, ops.maximum(acc, grad)))
 
 
 def _add_in_place(acc, grad):
     if isinstance(grad, tf.IndexedSlices):
-        return scatter_add_in_place(acc, grad)
+        return write(acc, "scatter_add", grad)
     # The TensorFlow variable's own assign_add adds in place (Keras's
     # `Variable.assign_add` is `assign(self + value)`, which allocates a new
     # sum every micro-step).
-    return acc.assign_add(ops.cast(grad, "float32"))
+    return write(acc, "add", ops.cast(grad, "float32"))
 
 
 class _ClassLayout:
@@ -505,7 +557,7 @@ class GradientAccumulator(tf.Module):
         capacity = ops.cast(capacity, "float32")
         stored = self.group_references()[normaliser_class]
         reference = ops.where(micro.is_first, capacity * micro.group_length, stored)
-        stored.assign(reference)
+        write(stored, "assign", reference)
         return tf.stop_gradient(ops.cast(normaliser, "float32") / reference)
 
     def weigh(self, classes, micro):
@@ -604,12 +656,12 @@ class GradientAccumulator(tf.Module):
             for (_, _, acc), grad, takes in zip(slots, slot_grads, maximum)
             if grad is not None
         ]
-        adds += [total.assign_add(weight) for total, weight in zip(self.weight_sums(), weights)]
+        adds += [write(total, "add", weight) for total, weight in zip(self.weight_sums(), weights)]
         # The count moves once every add is done: a read of it marks the
         # micro-step's end (the group's function starts the next micro-step
         # after it).
-        with tf.control_dependencies(adds):
-            self.micro_step.assign_add(1)
+        with tf.control_dependencies([add for add in adds if add is not None]):
+            write(self.micro_step, "add", tf.constant(1, self.micro_step.dtype))
         self.traced_slots = [k for k, grad in enumerate(slot_grads) if grad is not None]
         return self.traced_slots
 

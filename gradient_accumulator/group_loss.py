@@ -32,7 +32,7 @@ batch.
 import tensorflow as tf
 from keras import ops
 
-from gradient_accumulator.engine import replica_local
+from gradient_accumulator.engine import replica_local, write
 
 
 def tracker_state(tracker):
@@ -107,7 +107,7 @@ class GroupLoss:
         missing = self.num_outputs - len(outputs)
         parts += [zero] * missing
         shares += [zero] * missing
-        self.sums.assign_add(ops.stack(parts + shares))
+        write(self.sums, "add", ops.stack(parts + shares))
 
     def end(self, tracker, ends_group):
         """The group's end, if ``ends_group``: every tracker corrected, the sums emptied.

@@ -55,7 +55,7 @@ import tensorflow as tf
 from keras import ops
 
 from gradient_accumulator._compat import reduce_replica_logs
-from gradient_accumulator.auto_micro_batch import AUTO, AutoMicroBatch
+from gradient_accumulator.auto_micro_batch import AUTO, AutoMicroBatch, xla_micro_step
 
 WHOLE_GROUPS = "whole groups"
 COUPLED_GROUPS = "coupled whole groups"
@@ -354,16 +354,25 @@ class GroupRunner:
             model, steps = self._model, self._steps
             strategy = model.distribute_strategy
 
+            xla = model.jit_compile and not model.run_eagerly
+            if xla:
+                programs = {last: xla_micro_step(model, steps, last) for last in (False, True)}
+
             def micro_step(data, index, count, size, ends_group, done):
-                def run(data):
+                def cut(data):
                     rows = _rows(data)
                     start = ops.minimum(index * size, rows)
                     stop = ops.minimum(start + size, rows)
-                    micro = steps.accumulator.micro_step_at(index, count, ends_group, False)
-                    data = tf.nest.map_structure(
+                    return tf.nest.map_structure(
                         lambda t: t if t is None else t[start:stop], after(done, data)
                     )
-                    return steps.micro_step(data, micro)
+
+                if xla:
+                    return programs[ends_group](strategy.run(cut, args=(data,)), index, count)
+
+                def run(data):
+                    micro = steps.accumulator.micro_step_at(index, count, ends_group, False)
+                    return steps.micro_step(cut(data), micro)
 
                 marker, _ = strategy.run(run, args=(data,))
                 return local_sum(strategy, marker)

@@ -104,14 +104,15 @@ class StateWrites:
     Args:
         model: The ``GradientAccumulateModel``, built. Its variables are read
             here, once: the rule covers every variable of its layers but
-            BatchNormalization statistics and seed generator states (none at
-            ``accum_steps=1``, where each micro-step is its group).
+            BatchNormalization statistics and seed generator states (none where
+            each micro-step is its group: ``accum_steps=1`` without
+            ``micro_batch_size="auto"``).
     """
 
     def __init__(self, model):
         self._model = model
         self.variables = []
-        if model.accum_steps != 1:
+        if model._accumulates():
             exempt = _exempt(model)
             self.variables = [v for v in _layer_state(model) if id(v) not in exempt]
         self._replayed = None  # every layer variable but seed states (see `replayed`)

@@ -275,15 +275,19 @@ class ModelSteps:
 
         What a group that fails before its end must put back: ``restorable``
         (the model's non-trainable variables, random seeds included, the
-        metrics', the group's logged loss, the accumulator's counters) as they
-        were, ``emptied`` (the sums) to zeros. The weights and the optimizer's
-        variables change only at the group's end.
+        metrics', the group's logged loss, the accumulator's counters, and
+        what layers write in a training call, a trainable variable included:
+        :class:`~gradient_accumulator.state_writes.StateWrites`) as they
+        were, ``emptied`` (the sums) to zeros. The other weights and the
+        optimizer's variables change only at the group's end.
         """
         model = self._model
         accumulator = self.accumulator
         emptied = accumulator.all_sums()
         skipped = {id(v) for v in [*emptied, *model.trainable_variables]}
         restorable = [*model.non_trainable_variables, *model.metrics_variables]
+        listed = {id(v) for v in restorable}
+        restorable += [v for v in model._state_writes.variables if id(v) not in listed]
         if model._group_loss is not None:
             restorable += [model._group_loss.sums, model._group_loss.base]
         restorable += [v for v in accumulator.variables if id(v) not in skipped]

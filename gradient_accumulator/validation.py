@@ -218,7 +218,7 @@ def check_micro_batch_size(micro_batch_size, accum_steps, coupled_loss, noise_sc
 
 
 def check_auto_micro_batch(model, statistics_layers, multi_worker):
-    """Refuses what ``micro_batch_size="auto"`` does not (yet) run: XLA, workers, AccumBN."""
+    """Refuses what ``micro_batch_size="auto"`` does not (yet) run: workers, AccumBN."""
     if model.micro_batch_size is None:
         return
     strategy = model.distribute_strategy
@@ -227,12 +227,6 @@ def check_auto_micro_batch(model, statistics_layers, multi_worker):
         reason = (
             f"under {name} a worker that runs out of memory stops alone while the others wait "
             "in the update's reduction"
-        )
-    elif model.jit_compile and not model.run_eagerly:
-        reason = (
-            "with jit_compile=True a program that runs out of memory may leave the variables "
-            "it writes corrupted, so its group cannot be run again; compile with "
-            "jit_compile=False"
         )
     elif statistics_layers:
         reason = (

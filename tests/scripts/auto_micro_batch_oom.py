@@ -36,13 +36,13 @@ EXTRA_FAILURES = 2
 DEVICE = "/device:CPU:0"
 
 
-def build(cls=keras.Model, **kwargs):
+def build(cls=keras.Model, jit_compile=False, **kwargs):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((16,))
     hidden = keras.layers.Dense(WIDTH, activation="relu")(inputs)
     hidden = keras.layers.Dense(8, activation="relu")(hidden)
     model = cls(inputs=inputs, outputs=keras.layers.Dense(1)(hidden), **kwargs)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", jit_compile=jit_compile)
     return model
 
 
@@ -65,7 +65,8 @@ def main():
         np.savez(path, *model.get_weights())
         print_results({})
         return
-    model = build(GradientAccumulateModel, micro_batch_size="auto")
+    jit_compile = sys.argv[1] == "xla"
+    model = build(GradientAccumulateModel, jit_compile=jit_compile, micro_batch_size="auto")
     used = [in_use()]
     model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, shuffle=False, verbose=0)
     used.append(in_use())
