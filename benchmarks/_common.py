@@ -153,13 +153,25 @@ def training_device():
     return "GPU:0" if has_gpu else "CPU:0"
 
 
+def cpu_name():
+    """The CPU's name: ``/proc/cpuinfo``'s first ``model name``, else ``"CPU"``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU"
+
+
 def device_description():
     """What the figures were measured on, for the output: device and its name."""
     import tensorflow as tf
 
     device = training_device()
     if device == "CPU:0":
-        return {"device": device, "device_name": f"CPU ({os.cpu_count()} logical cores)"}
+        return {"device": device, "device_name": f"{cpu_name()} ({os.cpu_count()} logical cores)"}
     details = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0])
     return {"device": device, "device_name": details.get("device_name", "GPU")}
 

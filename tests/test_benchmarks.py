@@ -16,6 +16,7 @@ import warnings
 import pytest
 
 from tests.helpers import KERAS_VERSION, ROOT, run_python
+from tests.test_examples import skip_without
 
 # The scripts are development tools, not the package: CI runs them with the
 # newest TensorFlow and Keras only (see .ci/run).
@@ -116,6 +117,32 @@ EXPECTED = {
         {"quick", "results"},
         {"settled_over_fixed", "settled_over_fixed_cpu", "settle_groups", "recover_groups"},
     ),
+    "gpu_check": (
+        {
+            "quick",
+            "jit_compile_asked",
+            "xla",
+            "xla_accepted",
+            "xla_refusal",
+            "factor",
+            "updates",
+            "simulated_limit",
+            "versions",
+            "results",
+        },
+        {
+            "model",
+            "name",
+            "probes",
+            "largest_plain_batch",
+            "trainable_parameters",
+            "plain",
+            "auto",
+            "builtin",
+            "auto_over_plain",
+            "builtin_over_plain",
+        },
+    ),
     "bn_overhead": (
         {"accum_steps", "widths", "micro_batch", "goal", "single_device", "mirrored"},
         {"mode", "accum_over_keras", "accumulate_only_over_keras", "update_step_over_keras"},
@@ -147,6 +174,8 @@ def quick(tmp_path_factory):
     runs = {}
 
     def run(name):
+        if name == "gpu_check":
+            skip_without("keras_hub", "kerashub")  # its GPT-2 model
         if name not in runs:
             out = tmp_path_factory.mktemp(name)
             stdout = run_quick(name, out)
@@ -379,6 +408,31 @@ def test_communication_counts_reductions_and_reports_the_builtin_crash(quick):
             "trains under MirroredStrategy; update the benchmarks page.",
             stacklevel=1,
         )
+
+
+@pytest.mark.slow
+def test_gpu_check_falls_back_from_a_stated_batch_that_does_not_fit(quick):
+    # Quick: the simulated limit (8 samples) refuses at once, so every step is exact.
+    _, payload = quick("gpu_check")
+    assert payload["simulated_limit"] == 8 and payload["factor"] == 4
+    assert payload["versions"]["tensorflow"] and payload["versions"]["keras"]
+    # XLA: refused by the mode (the refusal recorded), or accepted and, under
+    # the simulated limit, which XLA cannot compile, not used.
+    assert payload["xla"] is False
+    assert (payload["xla_refusal"] is None) == payload["xla_accepted"]
+    for entry in payload["results"]:
+        assert [(p["batch"], p["fits"]) for p in entry["probes"]] == [(8, True), (16, False)]
+        assert entry["largest_plain_batch"] == 8
+        auto = entry["auto"]
+        assert auto["batch"] == 32 and auto["micro_batch"] == 8
+        assert [(c["update"], c["old"], c["new"]) for c in auto["changes"]] == [
+            (0, 32, 16),
+            (0, 16, 8),
+        ]
+        assert auto["history_micro_batch_size"] == [8, 8]
+        assert entry["builtin"]["micro_batch"] == 8 and entry["builtin"]["accum_steps"] == 4
+        for run in (entry["plain"], auto, entry["builtin"]):
+            assert run["seconds_per_sample"] > 0
 
 
 def test_fit_time_times_noise_scale_beside_the_library(tmp_path):
