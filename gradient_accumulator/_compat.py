@@ -479,6 +479,16 @@ def scatter_add_in_place(variable, slices):
     )
 
 
+def stateless_scope_writes(scope):
+    """The writes a ``keras.StatelessScope`` caught: ``{id(variable): value}``, in order.
+
+    ``state_mapping`` is the scope's undocumented dict (its public
+    ``get_current_value`` needs the variable, and the variables written are
+    what the caller wants to find).
+    """
+    return scope.state_mapping
+
+
 def replace_optimizer_all_reduce(optimizer, replacement):
     """Makes ``optimizer``'s own all-reduce of gradients ``replacement`` (``None``: Keras's again).
 

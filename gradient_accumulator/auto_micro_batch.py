@@ -24,7 +24,7 @@ from typing import NamedTuple
 import keras
 import tensorflow as tf
 
-from gradient_accumulator._compat import tf_variable
+from gradient_accumulator._compat import stateless_scope_writes, tf_variable
 from gradient_accumulator.engine import make_writes, writes_returned
 
 AUTO = "auto"
@@ -149,13 +149,10 @@ def xla_micro_step(model, steps, ends_group):
             # Listed after the step, whose first trace builds the compiled metrics.
             restorable, emptied = steps.group_state()
             known = {id(v): v for v in [*restorable, *emptied]}
+            caught = stateless_scope_writes(scope)
             names = {id(v): v.path for v in model.variables}
             weights = {id(v) for v in model.trainable_variables}
-            unknown = [
-                names.get(key, "?")
-                for key in scope.state_mapping
-                if key not in known or key in weights
-            ]
+            unknown = [names.get(key, "?") for key in caught if key not in known or key in weights]
             if unknown:
                 # A layer that writes a weight (Keras's SpectralNormalization) ends
                 # the step with an error of the tape's (the weight read as a tensor).
@@ -166,7 +163,7 @@ def xla_micro_step(model, steps, ends_group):
                     "SpectralNormalization). Compile with jit_compile=False. Received: writes "
                     f"of {unknown}"
                 )
-        writes = [(known[key], "assign", value) for key, value in scope.state_mapping.items()]
+        writes = [(known[key], "assign", value) for key, value in caught.items()]
         writes += raw
         listed[:] = [(variable, kind) for variable, kind, _ in writes]
         return [value for _, _, value in writes]

@@ -205,7 +205,7 @@ def make_writes(writes, values=None):
 
 
 def write(variable, kind, value):
-    """Writes ``value`` into ``variable`` (``kind``: see :func:`writes_returned`), or lists it there."""
+    """Writes ``value`` into ``variable`` (``kind``: :func:`writes_returned`), or lists it."""
     writes = getattr(_deferred, "writes", None)
     if writes is None:
         return make_writes([(variable, kind, value)])[0]

@@ -510,12 +510,14 @@ def test_xla_trains_as_the_big_batch(data):
     # BatchNormalization and Dropout: their writes (statistics, seeds) and the
     # metrics' are the program's outputs.
     reference = build(batchnorm=True, dropout=True)
-    reference.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"],
-                      jit_compile=True)
+    reference.compile(
+        optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"], jit_compile=True
+    )
     reference_history = fit(reference)
     model = auto(batchnorm=True, dropout=True)
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"],
-                  jit_compile=True)
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"], jit_compile=True
+    )
     history = fit(model, data)
     assert_trains_as(reference, model, history, reference_history)
     assert changes(model) == []

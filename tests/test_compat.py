@@ -426,3 +426,15 @@ def test_layer_state_internals():
     )
     plain = tf.Variable(1.0)
     assert _compat.tf_variable(plain) is plain
+
+
+def test_stateless_scope_writes_lists_what_the_scope_caught():
+    written, untouched = keras.Variable(1.0), keras.Variable(2.0)
+    with keras.StatelessScope() as scope:
+        written.assign(3.0)
+    caught = _compat.stateless_scope_writes(scope)
+    assert list(caught) == [id(written)], _changed(
+        "StatelessScope.state_mapping", f"holds {list(caught)}, not the written variable's id"
+    )
+    assert float(caught[id(written)]) == 3.0 and id(untouched) not in caught
+    assert float(written.numpy()) == 1.0
