@@ -15,7 +15,11 @@ the fixed model):
   put back) minus the first ``fit`` of one update of a model in the mode
   whose whole batch fits (the same traces), in steady groups;
 - **recover**: one group that falls back once (64 put in force again, 32
-  fits) minus a steady group, in steady groups.
+  fits) minus a steady group, in steady groups;
+- **settled under XLA**: the same epoch with ``jit_compile=True`` (the mode's
+  micro-steps are XLA programs that write no variable, their writes made
+  after them), its micro-batch put at 32 (XLA cannot compile the layer
+  above, so nothing falls back), against ``accum_steps=8`` under XLA.
 
 A failed try on a pooled allocator (oneDNN's on a CPU, every GPU's) first
 waits up to 10 s for memory to be freed (``BFCAllocator``); these errors
@@ -55,15 +59,20 @@ def out_of_memory_above(rows):
     return OutOfMemoryAbove()
 
 
-def build(batch, fits, features, width, **kwargs):
+def build(batch, fits, features, width, jit_compile=False, **kwargs):
     import keras
 
     from gradient_accumulator import GradientAccumulateModel
 
     inputs, outputs = dense_model(features=features, width=width)
-    outputs = out_of_memory_above(fits)(outputs)
+    if not jit_compile:
+        outputs = out_of_memory_above(fits)(outputs)
     model = GradientAccumulateModel(inputs=inputs, outputs=outputs, **kwargs)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy")
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss="sparse_categorical_crossentropy",
+        jit_compile=jit_compile,
+    )
     return model
 
 
@@ -109,6 +118,17 @@ def main():
     steady = timed(lambda: fit("auto", batch))[0]
     auto._runner.auto.micro_batch_size = 2 * fits
     recover = timed(lambda: fit("auto", batch))[0]
+    models = {
+        "auto": build(batch, fits, micro_batch_size="auto", jit_compile=True, **shape),
+        "fixed": build(batch, fits, accum_steps=batch // fits, jit_compile=True, **shape),
+    }
+    fit("auto", batch)  # builds the runner
+    models["auto"]._runner.auto.micro_batch_size = fits
+    fit("auto"), fit("fixed")  # warm: every program compiled
+    xla = {"auto": [], "fixed": []}
+    for r in range(setup["rounds"]):
+        for name in ["auto", "fixed"] if r % 2 == 0 else ["fixed", "auto"]:
+            xla[name].append(timed(lambda n=name: fit(n)))
     result = {
         "batch": batch,
         "micro_batch": fits,
@@ -120,6 +140,12 @@ def main():
         "settled_over_fixed_cpu": median_ratio(
             [cpu for _, cpu in rounds["auto"]], [cpu for _, cpu in rounds["fixed"]]
         ),
+        "settled_over_fixed_xla": median_ratio(
+            [wall for wall, _ in xla["auto"]], [wall for wall, _ in xla["fixed"]]
+        ),
+        "settled_over_fixed_xla_cpu": median_ratio(
+            [cpu for _, cpu in xla["auto"]], [cpu for _, cpu in xla["fixed"]]
+        ),
         "group_ms": 1000 * group,
         "settle_groups": (first - first_fitting[0]) / group,
         "recover_groups": (recover - steady) / group,
@@ -129,8 +155,12 @@ def main():
         print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
 
     def plot(ax):
-        ratios = [result["settled_over_fixed"], result["settled_over_fixed_cpu"]]
-        ax.bar(["wall time", "CPU time"], ratios)
+        ratios = [
+            result[f"settled_over_fixed{mode}{cpu}"]
+            for mode in ("", "_xla")
+            for cpu in ("", "_cpu")
+        ]
+        ax.bar(["wall", "CPU", "XLA wall", "XLA CPU"], ratios)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.axhline(1.02, color="grey", linestyle="--", linewidth=0.8, label="goal: 1.02")
         ax.set_ylabel(f"settled 'auto' / accum_steps={batch // fits}, an epoch")

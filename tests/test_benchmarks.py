@@ -115,7 +115,14 @@ EXPECTED = {
     ),
     "auto_micro_batch": (
         {"quick", "results"},
-        {"settled_over_fixed", "settled_over_fixed_cpu", "settle_groups", "recover_groups"},
+        {
+            "settled_over_fixed",
+            "settled_over_fixed_cpu",
+            "settled_over_fixed_xla",
+            "settled_over_fixed_xla_cpu",
+            "settle_groups",
+            "recover_groups",
+        },
     ),
     "gpu_check": (
         {
