@@ -324,8 +324,9 @@ class AutoMicroBatch:
             LOGGER.warning(
                 "gradient_accumulator: model '%s' has Keras BatchNormalization layers, which "
                 "normalise each micro-batch: from now on they see micro-batches of %d, not "
-                "the batch. Use gradient_accumulator.AccumBatchNormalization (see "
-                "replace_batchnorm_layers) for the batch's statistics.",
+                "the batch. Use gradient_accumulator.AccumBatchNormalization(accum_steps='auto') "
+                "(replace_batchnorm_layers(model, accum_steps='auto')) for the batch's "
+                "statistics.",
                 model.name,
                 new * replicas,
             )

@@ -11,7 +11,7 @@ from gradient_accumulator._v05 import check_position
 from gradient_accumulator.layers import AccumBatchNormalization
 from gradient_accumulator.model import GradientAccumulateModel
 from gradient_accumulator.optimizer import GradientAccumulateOptimizer
-from gradient_accumulator.validation import check_accum_steps, check_bool
+from gradient_accumulator.validation import check_bool, check_layer_accum_steps
 
 _BATCH_NORM = keras.layers.BatchNormalization
 
@@ -50,13 +50,16 @@ def _check_model(model, restore=False):
 
 def _check_wrapper_accum_steps(model, accum_steps):
     """Refuses layers whose ``accum_steps`` would differ from their wrapper's (as ``fit`` would)."""
-    if isinstance(model, GradientAccumulateModel) and model.accum_steps != accum_steps:
+    if not isinstance(model, GradientAccumulateModel) or accum_steps == "auto":
+        return  # "auto" follows the model's groups
+    expected = "'auto'" if model.micro_batch_size is not None else model.accum_steps
+    if model.micro_batch_size is not None or model.accum_steps != accum_steps:
         raise ValueError(
             f"Model {model.name!r} is a GradientAccumulateModel with "
             f"`accum_steps={model.accum_steps}`, and the AccumBatchNormalization "
-            "layers inside it must have the same value, so that their moving "
-            "statistics update with the optimizer. Call "
-            f"`replace_batchnorm_layers(model, accum_steps={model.accum_steps})`, "
+            "layers inside it must have the same value (or 'auto', and 'auto' with "
+            "micro_batch_size='auto'), so that their moving statistics update with the "
+            f"optimizer. Call `replace_batchnorm_layers(model, accum_steps={expected})`, "
             "or convert the unwrapped model and wrap it with the new value. "
             f"Received: accum_steps={accum_steps}"
         )
@@ -182,7 +185,7 @@ class _Rewriter:
         config = layer.get_config()
         if isinstance(layer, AccumBatchNormalization):
             self.already_accumulating.append((layer.name, layer.accum_steps))
-        if config.get("renorm") and self.accum_steps > 1:
+        if config.get("renorm") and self.accum_steps != 1:
             raise ValueError(
                 f"BatchNormalization layer {layer.name!r} uses batch "
                 "renormalization, which cannot be combined with "
@@ -300,7 +303,7 @@ class _Rewriter:
 
 def replace_batchnorm_layers(
     model: keras.Model,
-    accum_steps: int,
+    accum_steps: int | str,
     position: str = "replace",
     *,
     synchronized: bool = False,
@@ -326,7 +329,8 @@ def replace_batchnorm_layers(
         model: A Keras Functional or Sequential model (nested models
             included); subclassed models are refused.
         accum_steps: Integer >= 1, the new layers' ``accum_steps`` (a
-            ``GradientAccumulateModel``'s own).
+            ``GradientAccumulateModel``'s own), or ``"auto"`` (the groups of
+            the model they are in: for ``micro_batch_size="auto"``).
         position: String, only ``"replace"`` (the default).
         synchronized: Boolean (keyword only), the new layers'
             ``synchronized`` flag. Defaults to ``False``.
@@ -362,7 +366,7 @@ def replace_batchnorm_layers(
     of the 8 samples of the group.
     """
     _check_model(model)
-    accum_steps = check_accum_steps(accum_steps)
+    accum_steps = check_layer_accum_steps(accum_steps)
     check_position(position)
     synchronized = check_bool("synchronized", synchronized)
     _check_wrapper_accum_steps(model, accum_steps)

@@ -17,7 +17,7 @@ from gradient_accumulator._moments import (
 from gradient_accumulator.distribute import sum_across_replicas_if
 from gradient_accumulator.steps import current_update_step
 from gradient_accumulator.validation import (
-    check_accum_steps,
+    check_layer_accum_steps,
     check_positive_float,
     check_unit_interval,
 )
@@ -57,12 +57,13 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
     state. Used on its own, the layer counts its training calls and updates
     at every ``accum_steps``-th; inside ``GradientAccumulateModel`` it
     updates on the model's update steps, pooling all its calls of a group,
-    and its ``accum_steps`` must be the model's. With ``accum_steps=1`` it is
+    and its ``accum_steps`` must be the model's (or ``"auto"``, which
+    follows the model's groups). With ``accum_steps=1`` it is
     Keras's layer: no extra state, ``renorm`` allowed. The maths and its
     float32 accuracy: :doc:`/background`; conversion of a model:
     :func:`~gradient_accumulator.replace_batchnorm_layers`.
 
-    State (with ``accum_steps > 1``; after Keras's four variables, channel
+    State (with ``accum_steps > 1`` or ``"auto"``; after Keras's four variables, channel
     shape, float32, saved so that training resumes inside a group). With
     ``n_i``, ``mean_i``, ``m2_i`` the count, mean and sum of squared
     deviations of micro-batch ``i`` and ``d_i = mean_i - pending_shift``,
@@ -84,8 +85,10 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
 
     Args:
         accum_steps: Integer >= 1, micro-batches whose statistics make one
-            update of the moving statistics. Defaults to ``1`` (Keras's
-            layer).
+            update of the moving statistics, or ``"auto"``: the groups of the
+            ``GradientAccumulateModel`` it is in, whatever their length (for
+            ``micro_batch_size="auto"``, whose groups change length; refused
+            outside such a model). Defaults to ``1`` (Keras's layer).
         synchronized: Boolean. ``True``: under a strategy with several
             replicas, each training call uses the statistics of the global
             micro-batch, gathered in one collective and merged exactly.
@@ -125,7 +128,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
 
     def __init__(
         self,
-        accum_steps: int = 1,
+        accum_steps: int | str = 1,
         axis: int = -1,
         momentum: float = 0.99,
         epsilon: float = 1e-3,
@@ -145,13 +148,13 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         synchronized: bool = False,
         **kwargs,
     ):
-        accum_steps = check_accum_steps(accum_steps)
+        accum_steps = check_layer_accum_steps(accum_steps)
         axis = _check_axis_type(axis)
         # Keras takes any number here; a momentum outside [0, 1] or a
         # non-positive epsilon trains on without a word.
         momentum = check_unit_interval("momentum", momentum)
         epsilon = check_positive_float("epsilon", epsilon)
-        if renorm and accum_steps > 1:
+        if renorm and accum_steps != 1:
             raise ValueError(
                 "`renorm=True` cannot be combined with `accum_steps > 1`: "
                 "batch renormalization corrects every micro-batch with "
@@ -439,6 +442,14 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             variable.assign(value)
         is_update_step = current_update_step()
         if is_update_step is None:
+            if self.accum_steps == "auto":
+                raise ValueError(
+                    f"Layer '{self.name}' has accum_steps='auto': its groups are those of "
+                    "the GradientAccumulateModel it is in, and it was trained outside one "
+                    "(a plain keras.Model, or with GradientAccumulateOptimizer). Give it "
+                    "the optimizer's accum_steps, or wrap the model in a "
+                    "GradientAccumulateModel. Received: accum_steps='auto'"
+                )
             # On its own: this layer's counter decides.
             # Read after the add: Keras < 3.5's `assign_add` returns None.
             self.micro_step.assign_add(1)

@@ -23,6 +23,18 @@ def check_accum_steps(accum_steps):
     return check_positive_integer("accum_steps", accum_steps)
 
 
+def check_layer_accum_steps(accum_steps):
+    """An AccumBatchNormalization's ``accum_steps``: an integer >= 1, or ``"auto"``."""
+    if accum_steps == "auto":
+        return accum_steps
+    if isinstance(accum_steps, str):
+        raise ValueError(
+            "`accum_steps` must be an integer >= 1, or 'auto' (the groups of the "
+            f"GradientAccumulateModel it is in). Received: accum_steps={accum_steps!r}"
+        )
+    return check_accum_steps(accum_steps)
+
+
 def check_positive_float(name, value):
     """Returns ``value`` as a ``float`` or raises a ValueError naming it.
 
@@ -218,9 +230,10 @@ def check_micro_batch_size(micro_batch_size, accum_steps, coupled_loss, noise_sc
 
 
 def check_auto_micro_batch(model, statistics_layers, multi_worker):
-    """Refuses what ``micro_batch_size="auto"`` does not (yet) run: workers, AccumBN."""
+    """Refuses what ``micro_batch_size="auto"`` does not (yet) run: workers, fixed AccumBN."""
     if model.micro_batch_size is None:
         return
+    fixed = [layer for layer in statistics_layers if layer.accum_steps not in (1, "auto")]
     strategy = model.distribute_strategy
     name = type(strategy).__name__
     if "MultiWorker" in name or multi_worker:
@@ -228,10 +241,12 @@ def check_auto_micro_batch(model, statistics_layers, multi_worker):
             f"under {name} a worker that runs out of memory stops alone while the others wait "
             "in the update's reduction"
         )
-    elif statistics_layers:
+    elif fixed:
         reason = (
-            f"layer '{statistics_layers[0].name}' (AccumBatchNormalization) counts a fixed "
-            "accum_steps, and a run-time micro-batch changes the group's length"
+            f"layer '{fixed[0].name}' (AccumBatchNormalization) has accum_steps="
+            f"{fixed[0].accum_steps}, a fixed group, and a run-time micro-batch changes the "
+            "group's length: give it accum_steps='auto' (replace_batchnorm_layers(model, "
+            "accum_steps='auto')), which follows the model's groups"
         )
     else:
         return
@@ -260,11 +275,11 @@ def check_jit_compile(model):
 
 
 def check_statistics_layers(model, layers):
-    """Refuses AccumBatchNormalization layers whose accum_steps differ."""
+    """Refuses AccumBatchNormalization layers whose accum_steps differ ("auto" follows any)."""
     if getattr(model, "micro_batch_size", None) is not None:
         return  # refused by `check_auto_micro_batch` when training starts
     for layer in layers:
-        if layer.accum_steps != model.accum_steps:
+        if layer.accum_steps not in (model.accum_steps, "auto"):
             raise ValueError(
                 f"Layer '{layer.name}' has `accum_steps={layer.accum_steps}` and "
                 f"model '{model.name}' has `accum_steps={model.accum_steps}`: its "

@@ -489,16 +489,80 @@ def test_refuses_arguments_the_mode_cannot_take(kwargs, match):
         build(GradientAccumulateModel, **kwargs)
 
 
-def test_refuses_accum_batchnormalization_at_fit():
+def accum_batchnorm(cls=keras.Model, oom=None, layer_steps="auto", jit_compile=False, **kwargs):
+    """Dense, AccumBatchNormalization(accum_steps=layer_steps), Dense; ``oom`` before the BN."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((5,))
-    hidden = AccumBatchNormalization(accum_steps=4)(keras.layers.Dense(4)(inputs))
-    model = GradientAccumulateModel(
+    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+    hidden = hidden if oom is None else oom(hidden)
+    hidden = AccumBatchNormalization(accum_steps=layer_steps)(hidden)
+    model = cls(inputs=inputs, outputs=keras.layers.Dense(1)(hidden), **kwargs)
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"], jit_compile=jit_compile
+    )
+    return model
+
+
+def statistics_and_weights(model):
+    """The trainable weights and every AccumBatchNormalization's moving statistics."""
+    layers = [layer for layer in model.layers if isinstance(layer, AccumBatchNormalization)]
+    return [
+        *(v.numpy() for v in model.trainable_variables),
+        *(v.numpy() for layer in layers for v in (layer.moving_mean, layer.moving_variance)),
+    ]
+
+
+def test_accum_batchnormalization_auto_moves_once_per_update_with_the_group_s_statistics():
+    # AccumBatchNormalization(accum_steps="auto") follows the model's groups,
+    # whatever their length: after the fall-backs (32, 16, then 8 in force;
+    # the failed tries' pending statistics put back) every update moves the
+    # moving statistics once with its whole batch's, as accum_steps=4 at 8
+    # does (whose statistics tests/test_layers.py checks against numpy's on
+    # the batch). The epoch's last batch of 24: three micro-batches in both.
+    reference = accum_batchnorm(GradientAccumulateModel, layer_steps=4, accum_steps=4)
+    reference_history = fit(reference, batch=8)
+    model = accum_batchnorm(GradientAccumulateModel, OutOfMemoryAbove(8), micro_batch_size="auto")
+    history = fit(model)
+    assert_trains_as(reference, model, history, reference_history)
+    assert changes(model) == [(0, 32, 16), (0, 16, 8)]
+    # Without fall-backs, under XLA: Keras's layer at the whole batch.
+    plain = accum_batchnorm(layer_steps=1, jit_compile=True)
+    fit(plain)
+    model = accum_batchnorm(GradientAccumulateModel, micro_batch_size="auto", jit_compile=True)
+    fit(model)
+    assert_diff_below(
+        max_abs_diff(statistics_and_weights(plain), statistics_and_weights(model)), FLOAT32_ATOL
+    )
+
+
+def test_refuses_a_fixed_accum_batchnormalization_and_trains_an_auto_one_only_in_a_model():
+    model = accum_batchnorm(GradientAccumulateModel, layer_steps=4, micro_batch_size="auto")
+    with pytest.raises(ValueError, match=r"accum_steps=4, a fixed group.*accum_steps='auto'"):
+        fit(model)
+    with pytest.raises(ValueError, match=r"has accum_steps='auto'.*trained outside one"):
+        fit(accum_batchnorm())
+    with pytest.raises(ValueError, match=r"integer >= 1, or 'auto'.*accum_steps='four'"):
+        AccumBatchNormalization(accum_steps="four")
+    # Inference of the layer alone is Keras's; its configuration round-trips.
+    layer = AccumBatchNormalization(accum_steps="auto")
+    assert layer(np.ones((2, 3), "float32")).shape == (2, 3)
+    assert AccumBatchNormalization.from_config(layer.get_config()).accum_steps == "auto"
+
+
+def test_replace_batchnorm_layers_makes_auto_layers_for_the_mode():
+    from gradient_accumulator import replace_batchnorm_layers
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.BatchNormalization()(keras.layers.Dense(16)(inputs))
+    auto_model = GradientAccumulateModel(
         micro_batch_size="auto", inputs=inputs, outputs=keras.layers.Dense(1)(hidden)
     )
-    model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError, match="AccumBatchNormalization"):
-        fit(model)
+    converted = replace_batchnorm_layers(auto_model, accum_steps="auto")
+    layers = [layer for layer in converted.layers if isinstance(layer, AccumBatchNormalization)]
+    assert [layer.accum_steps for layer in layers] == ["auto"]
+    with pytest.raises(ValueError, match=r"accum_steps='auto'\)"):
+        replace_batchnorm_layers(auto_model, accum_steps=4)
 
 
 # Under XLA each micro-step is a program that writes no variable (its writes
