@@ -118,7 +118,7 @@ def _writes_in(concrete):
     return sorted({n.op for n in nodes if n.op.startswith(_WRITES)})
 
 
-def xla_micro_step(model, steps, ends_group):
+def xla_micro_step(model, steps, ends_group, measures):
     """Under XLA, a micro-step as a program that writes no variable, then its writes.
 
     An XLA program that runs out of memory frees the buffers of the
@@ -140,7 +140,7 @@ def xla_micro_step(model, steps, ends_group):
     listed = []  # the writes, (variable, kind), as the last trace made them
 
     def replica(data, index, count):
-        micro = steps.accumulator.micro_step_at(index, count, ends_group, False)
+        micro = steps.accumulator.micro_step_at(index, count, ends_group, measures)
         scope = keras.StatelessScope()
         try:
             with scope, writes_returned() as raw:
@@ -201,7 +201,8 @@ class AutoMicroBatch:
     Args:
         model: The ``GradientAccumulateModel`` (``micro_batch_size="auto"``).
         steps: Its :class:`~gradient_accumulator.steps.ModelSteps`.
-        functions: ``() -> (group, end)``, the runner's compiled functions
+        functions: ``measures -> (group, end)``, the runner's compiled
+            functions of the groups the noise scale measures or skips
             (:meth:`~gradient_accumulator.runner.GroupRunner.split_group_functions`).
     """
 
@@ -237,10 +238,16 @@ class AutoMicroBatch:
         rows = [_rows(each) for each in strategy.experimental_local_results(data)]
         largest = max(rows)
         micro = min(self.micro_batch_size or largest, largest)
-        group, end = self._functions()
+        accumulator = self._steps.accumulator
+        measured = accumulator.noise_schedule.next_group(accumulator.update_count)
         while True:
+            count, size = _slices(rows, micro)
+            # The noise scale compares a micro-batch's gradient with the
+            # batch's: a batch run whole on one replica has no smaller one.
+            measures = measured and (count > 1 or len(rows) > 1)
+            group, end = self._functions(measures)
             try:
-                self._micro_steps(group, data, *_slices(rows, micro))
+                self._micro_steps(group, data, count, size)
                 break
             except tf.errors.ResourceExhaustedError as error:
                 smaller = largest_divisor_below(largest, micro)

@@ -213,6 +213,16 @@ def write(variable, kind, value):
     return None
 
 
+def read(variable):
+    """``variable``'s value, as a write :func:`writes_returned` listed last left it, if any."""
+    for written, kind, value in reversed(getattr(_deferred, "writes", None) or []):
+        if written is variable:
+            if kind != "assign":
+                raise NotImplementedError(f"a read after a listed {kind} of {variable.name}")
+            return value
+    return variable.read_value()
+
+
 def _maximum_in_place(acc, grad, is_first):
     """``acc`` becomes ``grad`` at a group's first micro-step, else ``max(acc, grad)``."""
     grad = ops.cast(tf.convert_to_tensor(grad), "float32")  # IndexedSlices densified

@@ -273,7 +273,7 @@ class GradientAccumulateModel(keras.Model):
         )
         self.accum_steps = check_accum_steps(accum_steps)
         self.micro_batch_size = check_micro_batch_size(
-            micro_batch_size, self.accum_steps, coupled_loss, noise_scale
+            micro_batch_size, self.accum_steps, coupled_loss
         )
         self.reduce_every_micro_step = check_bool(
             "reduce_every_micro_step", reduce_every_micro_step

@@ -154,10 +154,10 @@ class GroupRunner:
                 (under XLA, its programs: ``(adding, last, end)``),
                 :data:`COUPLED_GROUPS`, :data:`MICRO_STEPS` or
                 :data:`SPLIT_BATCHES` (``(group, end)``).
-            measures: For the whole groups: the function of the groups the
-                noise scale measures (``True``) or skips.
+            measures: For the whole groups and split batches: the functions
+                of the groups the noise scale measures (``True``) or skips.
         """
-        if case in (WHOLE_GROUPS, "xla"):
+        if case in (WHOLE_GROUPS, "xla", SPLIT_BATCHES):
             return self._functions.get((case, measures))
         return self._functions.get(case)
 
@@ -336,7 +336,7 @@ class GroupRunner:
             self._functions[key] = (adding, last, end)
         return self._functions[key]
 
-    def split_group_functions(self):
+    def split_group_functions(self, measures=True):
         """``(group, end)``: one batch as one group, in two calls (``micro_batch_size="auto"``).
 
         ``group(data, count, size)`` cuts each replica's rows of ``data`` into
@@ -348,15 +348,18 @@ class GroupRunner:
         gradients), the last one traced as the group's last; it writes the
         sums, metrics and layers' state, never a weight or an optimizer
         variable. ``end()`` ends the group and returns its logs. One trace
-        for every ``count`` and ``size``.
+        for every ``count`` and ``size``; ``measures``: whether the noise
+        scale measures the group (one pair of functions each).
         """
-        if SPLIT_BATCHES not in self._functions:
+        if (SPLIT_BATCHES, measures) not in self._functions:
             model, steps = self._model, self._steps
             strategy = model.distribute_strategy
 
             xla = model.jit_compile and not model.run_eagerly
             if xla:
-                programs = {last: xla_micro_step(model, steps, last) for last in (False, True)}
+                programs = {
+                    last: xla_micro_step(model, steps, last, measures) for last in (False, True)
+                }
 
             def micro_step(data, index, count, size, ends_group, done):
                 def cut(data):
@@ -371,7 +374,7 @@ class GroupRunner:
                     return programs[ends_group](strategy.run(cut, args=(data,)), index, count)
 
                 def run(data):
-                    micro = steps.accumulator.micro_step_at(index, count, ends_group, False)
+                    micro = steps.accumulator.micro_step_at(index, count, ends_group, measures)
                     return steps.micro_step(cut(data), micro)
 
                 marker, _ = strategy.run(run, args=(data,))
@@ -388,15 +391,15 @@ class GroupRunner:
             def end():
                 def run():
                     logs = dict(model.get_metrics_result())
-                    return steps.end_group(True, False, None, logs)
+                    return steps.end_group(True, measures, None, logs)
 
                 return reduce_replica_logs(strategy.run(run), strategy)
 
-            self._functions[SPLIT_BATCHES] = (
-                self._compiled_once("split group", lambda: group),
-                self._compiled_once("split end", lambda: end),
+            self._functions[(SPLIT_BATCHES, measures)] = (
+                self._compiled_once(("split group", measures), lambda: group),
+                self._compiled_once(("split end", measures), lambda: end),
             )
-        return self._functions[SPLIT_BATCHES]
+        return self._functions[(SPLIT_BATCHES, measures)]
 
     def _refuse_micro_steps(self):
         model = self._model

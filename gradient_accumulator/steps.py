@@ -28,6 +28,7 @@ from gradient_accumulator._compat import (
     sublayers,
 )
 from gradient_accumulator.distribute import logs_for_keras
+from gradient_accumulator.engine import read, write
 from gradient_accumulator.group_loss import tracker_state
 from gradient_accumulator.weighting import (
     SUM,
@@ -338,7 +339,7 @@ class ModelSteps:
         scale = ops.cast(model.optimizer.scale_loss(tf.constant(1.0)), "float32")
         # The training loss is the replica's share (divided by the replicas).
         factor = weight * scale / tf.distribute.get_strategy().num_replicas_in_sync
-        size = weight * accumulator.group_references()[0].read_value()
+        size = weight * read(accumulator.group_references()[0])
 
         def squared_norm():
             return noise_scale.squared_norm(class_grads[0], accumulator.takes_maximum)
@@ -351,7 +352,7 @@ class ModelSteps:
         else:
             squared = tf.cond(measured, squared_norm, lambda: ops.zeros((), "float32"))
         summary = noise_scale.micro_batch_summary(squared, factor, size, measured)
-        accumulator.noise_sums.assign_add(summary, read_value=False)
+        write(accumulator.noise_sums, "add", summary)
 
     def _output_losses(self, micro_loss, trackers, before):
         """Per output whose loss Keras logs apart, ``(tracker, loss, normaliser)``, or ``None``.

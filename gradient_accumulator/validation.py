@@ -200,7 +200,7 @@ def check_train_step_not_overridden(model, wrapper_class):
     )
 
 
-def check_micro_batch_size(micro_batch_size, accum_steps, coupled_loss, noise_scale):
+def check_micro_batch_size(micro_batch_size, accum_steps, coupled_loss):
     """Returns ``micro_batch_size`` (``None`` or ``"auto"``), or refuses it by name."""
     if micro_batch_size is None:
         return None
@@ -216,16 +216,12 @@ def check_micro_batch_size(micro_batch_size, accum_steps, coupled_loss, noise_sc
             "chooses them: state the update's batch as fit's `batch_size` and leave "
             f"accum_steps at 1. Received: accum_steps={accum_steps!r}, micro_batch_size='auto'"
         )
-    for name, value, default in (
-        ("coupled_loss", coupled_loss, None),
-        ("noise_scale", noise_scale, False),
-    ):
-        if value != default:
-            raise ValueError(
-                "micro_batch_size='auto' does not yet support a coupled loss or the noise "
-                "scale: use accum_steps with the micro-batch as fit's batch_size. Received: "
-                f"{name}={value!r}, micro_batch_size='auto'"
-            )
+    if coupled_loss is not None:
+        raise ValueError(
+            "micro_batch_size='auto' does not yet support a coupled loss: use accum_steps "
+            "with the micro-batch as fit's batch_size. Received: "
+            f"coupled_loss={coupled_loss!r}, micro_batch_size='auto'"
+        )
     return micro_batch_size
 
 

@@ -481,12 +481,64 @@ def test_the_mode_survives_serialization(tmp_path):
         ({"micro_batch_size": "Auto"}, "micro_batch_size='Auto'"),
         ({"micro_batch_size": "auto", "accum_steps": 4}, "accum_steps=4, micro_batch_size='auto'"),
         ({"micro_batch_size": "auto", "coupled_loss": "replica"}, "coupled_loss='replica'"),
-        ({"micro_batch_size": "auto", "noise_scale": True}, "noise_scale=True"),
     ],
 )
 def test_refuses_arguments_the_mode_cannot_take(kwargs, match):
     with pytest.raises(ValueError, match=match):
         build(GradientAccumulateModel, **kwargs)
+
+
+NOISE_LOGS = ("noise_scale", "noise_scale_trace", "noise_scale_signal")
+
+
+def assert_logs_as(reference_history, history, names, rtol=1e-6):
+    for name in names:
+        np.testing.assert_allclose(
+            history.history[name], reference_history.history[name], rtol=rtol, err_msg=name
+        )
+
+
+def test_noise_scale_falls_back_and_estimates_as_accum_steps_at_the_micro_batch_in_force():
+    # The noise scale compares each micro-batch's gradient with its group's:
+    # after the fall-backs (the first group's failed tries leave no summary
+    # behind) its estimates are accum_steps=4's at 8, whose are numpy's
+    # (tests/test_noise_scale.py). The epoch's last batch of 24: three
+    # micro-batches in both.
+    reference = build(GradientAccumulateModel, accum_steps=4, noise_scale=True)
+    reference_history = fit(reference, batch=8)
+    model = auto(oom=OutOfMemoryAbove(8), noise_scale=True)
+    history = fit(model)
+    assert_trains_as(reference, model, history, reference_history)
+    assert_logs_as(reference_history, history, NOISE_LOGS)
+    assert changes(model) == [(0, 32, 16), (0, 16, 8)]
+    # A batch run whole on one replica has no smaller batch to compare:
+    # not measured, the logs at their start (0).
+    history = fit(auto(noise_scale=True))
+    assert {name: history.history[name] for name in NOISE_LOGS} == {
+        name: [0.0] * EPOCHS for name in NOISE_LOGS
+    }
+
+
+def test_xla_at_a_micro_batch_in_force_trains_as_accum_steps_under_xla():
+    # Under XLA at micro-batch 8 (put in force as a fall-back would: XLA
+    # cannot compile the injected errors; a real fall-back is the test at
+    # the end), with BatchNormalization, Dropout and the noise scale: their
+    # writes come out of each micro-step's program. accum_steps=4 at 8
+    # under XLA is the reference (the layers see micro-batches of 8).
+    def compiled(model):
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"], jit_compile=True
+        )
+        return model
+
+    layers = {"batchnorm": True, "dropout": True, "noise_scale": True}
+    reference = compiled(build(GradientAccumulateModel, accum_steps=4, **layers))
+    reference_history = fit(reference, batch=8)
+    model = compiled(auto(**layers))
+    model._runner.auto.micro_batch_size = 8
+    history = fit(model)
+    assert_trains_as(reference, model, history, reference_history)
+    assert_logs_as(reference_history, history, NOISE_LOGS, rtol=1e-5)
 
 
 def accum_batchnorm(cls=keras.Model, oom=None, layer_steps="auto", jit_compile=False, **kwargs):
