@@ -214,13 +214,19 @@ def write(variable, kind, value):
 
 
 def read(variable):
-    """``variable``'s value, as a write :func:`writes_returned` listed last left it, if any."""
-    for written, kind, value in reversed(getattr(_deferred, "writes", None) or []):
-        if written is variable:
-            if kind != "assign":
-                raise NotImplementedError(f"a read after a listed {kind} of {variable.name}")
-            return value
-    return variable.read_value()
+    """``variable``'s value, with the writes :func:`writes_returned` listed for it made."""
+    value = variable.read_value()
+    for written, kind, written_value in getattr(_deferred, "writes", None) or []:
+        if written is not variable:
+            continue
+        if kind == "assign":
+            value = written_value
+        elif kind == "add":
+            value = value + written_value
+        else:
+            indices = ops.expand_dims(written_value.indices, -1)
+            value = tf.tensor_scatter_nd_add(value, indices, written_value.values)
+    return value
 
 
 def _maximum_in_place(acc, grad, is_first):

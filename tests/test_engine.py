@@ -605,3 +605,25 @@ def test_weigh_makes_each_class_s_weight_in_one_place():
     second = accumulator.weigh(second_classes, accumulator.micro_step_at(1, 2))
     # The group's reference stays the first micro-batch's: 2 / 8.
     assert [float(d) for _, d, _ in second] == [2 / 8, 0.0, 0.0]
+
+
+def test_writes_returned_lists_the_writes_that_read_and_make_writes_make():
+    # A program that must write no variable (XLA's micro-step of
+    # micro_batch_size="auto") lists the accumulator's writes; `read` sees
+    # them, `make_writes` makes them after, the sparse add as a scatter.
+    from gradient_accumulator.engine import make_writes, read, write, writes_returned
+
+    counter, sums = tf.Variable(1.0), tf.Variable(tf.zeros((4,)))
+    with writes_returned() as writes:
+        write(counter, "assign", tf.constant(5.0))
+        write(counter, "add", tf.constant(2.0))
+        write(sums, "scatter_add", tf.IndexedSlices(tf.constant([1.0, 3.0]), tf.constant([2, 2])))
+        assert float(read(counter)) == 7.0
+        np.testing.assert_array_equal(read(sums).numpy(), [0.0, 0.0, 4.0, 0.0])
+    assert float(counter.numpy()) == 1.0 and not sums.numpy().any()
+    assert [kind for _, kind, _ in writes] == ["assign", "add", "scatter_add"]
+    make_writes(writes)
+    assert float(counter.numpy()) == 7.0
+    np.testing.assert_array_equal(sums.numpy(), [0.0, 0.0, 4.0, 0.0])
+    write(counter, "add", tf.constant(1.0))  # outside: made at once
+    assert float(counter.numpy()) == 8.0
