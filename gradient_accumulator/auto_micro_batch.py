@@ -25,7 +25,7 @@ import keras
 import tensorflow as tf
 
 from gradient_accumulator._compat import stateless_scope_writes, tf_variable
-from gradient_accumulator.engine import make_writes, writes_returned
+from gradient_accumulator.writes import make_writes, writes_returned
 
 AUTO = "auto"
 

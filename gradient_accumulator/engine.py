@@ -11,8 +11,6 @@ layers such as ``AccumBatchNormalization``
 (:func:`gradient_accumulator.steps.current_update_step`).
 """
 
-import contextlib
-import threading
 import warnings
 
 import numpy as np
@@ -20,8 +18,9 @@ import tensorflow as tf
 from keras import ops
 
 from gradient_accumulator import noise_scale
-from gradient_accumulator._compat import KerasSaveable, scatter_add_in_place
+from gradient_accumulator._compat import KerasSaveable
 from gradient_accumulator.distribute import all_reduce_in_replica
+from gradient_accumulator.writes import write
 
 # The keys of the accumulation state in a Keras weights store (`.keras` and
 # `.weights.h5` files), beside the owner's own numbered variables.
@@ -161,72 +160,6 @@ def replica_local(value, shape, dtype, name, aggregation):
         synchronization=tf.VariableSynchronization.ON_READ,
         aggregation=aggregation,
     )
-
-
-_deferred = threading.local()
-
-
-@contextlib.contextmanager
-def writes_returned():
-    """Within, the accumulator's writes of its own variables are listed, not made.
-
-    Yields the list, ``(variable, kind, value)`` in the order written
-    (``kind``: ``"assign"``, ``"add"``, or ``"scatter_add"`` with
-    ``tf.IndexedSlices``); :func:`make_writes` makes them. For a program
-    that must write no variable (a micro-step under XLA that may run out of
-    memory: ``gradient_accumulator.auto_micro_batch``); the writes of Keras
-    variables go to a ``keras.StatelessScope`` there.
-    """
-    previous = getattr(_deferred, "writes", None)
-    _deferred.writes = []
-    try:
-        yield _deferred.writes
-    finally:
-        _deferred.writes = previous
-
-
-def make_writes(writes, values=None):
-    """Makes ``writes`` (from :func:`writes_returned`), ``values`` in place of theirs if given.
-
-    Returns the write operations.
-    """
-    made = []
-    for k, (variable, kind, value) in enumerate(writes):
-        value = value if values is None else values[k]
-        # Keras's variables (written by a Keras layer or metric) take no `read_value`.
-        keyword = {"read_value": False} if isinstance(variable, tf.Variable) else {}
-        if kind == "assign":
-            made.append(variable.assign(value, **keyword))
-        elif kind == "scatter_add":
-            made.append(scatter_add_in_place(variable, value))
-        else:
-            made.append(variable.assign_add(value, **keyword))
-    return made
-
-
-def write(variable, kind, value):
-    """Writes ``value`` into ``variable`` (``kind``: :func:`writes_returned`), or lists it."""
-    writes = getattr(_deferred, "writes", None)
-    if writes is None:
-        return make_writes([(variable, kind, value)])[0]
-    writes.append((variable, kind, value))
-    return None
-
-
-def read(variable):
-    """``variable``'s value, with the writes :func:`writes_returned` listed for it made."""
-    value = variable.read_value()
-    for written, kind, written_value in getattr(_deferred, "writes", None) or []:
-        if written is not variable:
-            continue
-        if kind == "assign":
-            value = written_value
-        elif kind == "add":
-            value = value + written_value
-        else:
-            indices = ops.expand_dims(written_value.indices, -1)
-            value = tf.tensor_scatter_nd_add(value, indices, written_value.values)
-    return value
 
 
 def _maximum_in_place(acc, grad, is_first):

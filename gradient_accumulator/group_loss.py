@@ -32,7 +32,8 @@ batch.
 import tensorflow as tf
 from keras import ops
 
-from gradient_accumulator.engine import replica_local, write
+from gradient_accumulator.engine import replica_local
+from gradient_accumulator.writes import write
 
 
 def tracker_state(tracker):

@@ -28,7 +28,6 @@ from gradient_accumulator._compat import (
     sublayers,
 )
 from gradient_accumulator.distribute import logs_for_keras
-from gradient_accumulator.engine import read, write
 from gradient_accumulator.group_loss import tracker_state
 from gradient_accumulator.weighting import (
     SUM,
@@ -38,6 +37,7 @@ from gradient_accumulator.weighting import (
     weigh_classes,
     weight_only_loss_count,
 )
+from gradient_accumulator.writes import read, write
 
 _context = threading.local()
 

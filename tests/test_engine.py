@@ -611,7 +611,7 @@ def test_writes_returned_lists_the_writes_that_read_and_make_writes_make():
     # A program that must write no variable (XLA's micro-step of
     # micro_batch_size="auto") lists the accumulator's writes; `read` sees
     # them, `make_writes` makes them after, the sparse add as a scatter.
-    from gradient_accumulator.engine import make_writes, read, write, writes_returned
+    from gradient_accumulator.writes import make_writes, read, write, writes_returned
 
     counter, sums = tf.Variable(1.0), tf.Variable(tf.zeros((4,)))
     with writes_returned() as writes:
