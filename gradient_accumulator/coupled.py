@@ -398,12 +398,14 @@ class CoupledGroup:
         ]
         return accumulator.micro_step.read_value(), tf.stop_gradient(ops.max(ops.stack(drift)))
 
-    def end_group(self):
+    def end_group(self, logs=None):
         """The group's end (replica context), once its last :meth:`backward` has added.
 
-        Its update applies every sum the group added to (see ``__init__``).
+        Its update applies every sum the group added to (see ``__init__``);
+        returns ``logs`` as they read after it (``None`` without).
         """
-        self._steps.end_group(True, present=sorted({*self._loss_slots, *self._step_slots}))
+        present = sorted({*self._loss_slots, *self._step_slots})
+        return self._steps.end_group(True, present=present, logs=logs)
 
     def group_function(self):
         """One whole group in the module's two passes: ``(iterator, length) -> logs``, to compile.
@@ -417,76 +419,107 @@ class CoupledGroup:
         one micro-batch's activations alive at a time. Under XLA, each step
         is a program of its own.
         """
-        model = self._model
-        strategy = model.distribute_strategy
-        forward, loss, backward, update = self._passes()
+        passes = self._passes()
 
         def group(iterator, length):
-            seeds = seed_generator_states(model)
-            devices = _replica_devices(strategy)
-            data = next(iterator)
-            flat, self._structure = _tensor_leaves(data)
-            leaves = _replicas_results(strategy, flat)
-            saved = [raw_value(seed) for seed in seeds]
-            outputs = forward(leaves, tf.constant(True))
-            # Per replica: its micro-batch's tensors, outputs, rows; the seed states.
-            caches = [
-                [_cache(t, length, device).write(0, t) for t in values]
-                for values, device in zip(_cached_values(leaves, outputs), devices)
-            ]
-            seed_caches = [_cache(t, length).write(0, t) for t in saved]
+            def fetch(index, done):
+                with tf.control_dependencies(done):
+                    return next(iterator)
 
-            def first_pass(index, caches, seed_caches):
-                flows = [c.flow for c in tf.nest.flatten(caches) + seed_caches]
-                with tf.control_dependencies(flows):
-                    data = next(iterator)
-                leaves = _replicas_results(strategy, _tensor_leaves(data)[0])
-                saved = [raw_value(seed) for seed in seeds]
-                outputs = forward(leaves, tf.constant(False))
-                caches = [
-                    [c.write(index, v) for c, v in zip(replica_caches, values)]
-                    for replica_caches, values in zip(caches, _cached_values(leaves, outputs))
-                ]
-                seed_caches = [c.write(index, v) for c, v in zip(seed_caches, saved)]
-                return index + 1, caches, seed_caches
-
-            _, caches, seed_caches = tf.while_loop(
-                lambda index, *_: index < length,
-                first_pass,
-                (tf.constant(1, "int32"), caches, seed_caches),
-                parallel_iterations=1,
-            )
-            n_leaves = len(leaves[0])
-            group_leaves = [[c.concat() for c in each[:n_leaves]] for each in caches]
-            group_outputs = [[c.concat() for c in each[n_leaves:-1]] for each in caches]
-            output_grads, logs = loss(group_leaves, group_outputs)
-            rows = [each[-1].stack() for each in caches]
-            grad_caches = [
-                [_cache(g, length, device).split(g, replica_rows) for g in grads]
-                for grads, replica_rows, device in zip(output_grads, rows, devices)
-            ]
-
-            def second_pass(index, done, drift):
-                with tf.control_dependencies([done]):
-                    for seed, cache in zip(seeds, seed_caches):
-                        seed.assign(cache.read(index))
-                    leaves = [[c.read(index) for c in each[:n_leaves]] for each in caches]
-                grads = [[c.read(index) for c in each] for each in grad_caches]
-                first = [[c.read(index) for c in each[n_leaves:-1]] for each in caches]
-                marker, step_drift = backward(leaves, grads, ops.equal(index, 0), first)
-                return index + 1, marker, ops.maximum(drift, step_drift)
-
-            _, _, drift = tf.while_loop(
-                lambda index, *_: index < length,
-                second_pass,
-                (tf.constant(0, "int32"), tf.zeros((), "int64"), tf.zeros(())),
-                parallel_iterations=1,
-            )
-            with tf.control_dependencies([check_replayed(drift, model.name)]):
-                update()
+            logs, checked = self._two_passes(passes, fetch, length)
+            with tf.control_dependencies([checked]):
+                passes[-1]()
             return self._steps.with_update_logs(logs)
 
         return group
+
+    def split_group_function(self, cut):
+        """``micro_batch_size="auto"``: ``(data, count, size) -> marker``, passes, no update.
+
+        ``cut(data, index, size, done)``: micro-batch ``index`` of the
+        batch ``data`` (a per-replica value), read once ``done``'s tensors
+        are. The update is :meth:`end_group`'s, a call of its own (a group
+        that runs out of memory is run again); graph mode only.
+        """
+        passes = self._passes()
+
+        def group(data, count, size):
+            _, checked = self._two_passes(passes, lambda i, done: cut(data, i, size, done), count)
+            strategy = self._model.distribute_strategy
+            with tf.control_dependencies([checked]):
+                counts = strategy.experimental_local_results(self._steps.accumulator.micro_step)
+                return ops.sum(ops.stack([ops.convert_to_tensor(c) for c in counts]))
+
+        return group
+
+    def _two_passes(self, passes, fetch, length):
+        """The passes over ``length`` micro-batches, ``fetch(index, done)``: ``(logs, checked)``.
+
+        ``checked``: the replay check, computed once the last gradient is added.
+        """
+        model = self._model
+        strategy = model.distribute_strategy
+        forward, loss, backward, _ = passes
+        seeds = seed_generator_states(model)
+        devices = _replica_devices(strategy)
+        data = fetch(tf.constant(0, "int32"), [])
+        flat, self._structure = _tensor_leaves(data)
+        leaves = _replicas_results(strategy, flat)
+        saved = [raw_value(seed) for seed in seeds]
+        outputs = forward(leaves, tf.constant(True))
+        # Per replica: its micro-batch's tensors, outputs, rows; the seed states.
+        caches = [
+            [_cache(t, length, device).write(0, t) for t in values]
+            for values, device in zip(_cached_values(leaves, outputs), devices)
+        ]
+        seed_caches = [_cache(t, length).write(0, t) for t in saved]
+
+        def first_pass(index, caches, seed_caches):
+            flows = [c.flow for c in tf.nest.flatten(caches) + seed_caches]
+            data = fetch(index, flows)
+            leaves = _replicas_results(strategy, _tensor_leaves(data)[0])
+            saved = [raw_value(seed) for seed in seeds]
+            outputs = forward(leaves, tf.constant(False))
+            caches = [
+                [c.write(index, v) for c, v in zip(replica_caches, values)]
+                for replica_caches, values in zip(caches, _cached_values(leaves, outputs))
+            ]
+            seed_caches = [c.write(index, v) for c, v in zip(seed_caches, saved)]
+            return index + 1, caches, seed_caches
+
+        _, caches, seed_caches = tf.while_loop(
+            lambda index, *_: index < length,
+            first_pass,
+            (tf.constant(1, "int32"), caches, seed_caches),
+            parallel_iterations=1,
+        )
+        n_leaves = len(leaves[0])
+        group_leaves = [[c.concat() for c in each[:n_leaves]] for each in caches]
+        group_outputs = [[c.concat() for c in each[n_leaves:-1]] for each in caches]
+        output_grads, logs = loss(group_leaves, group_outputs)
+        rows = [each[-1].stack() for each in caches]
+        grad_caches = [
+            [_cache(g, length, device).split(g, replica_rows) for g in grads]
+            for grads, replica_rows, device in zip(output_grads, rows, devices)
+        ]
+
+        def second_pass(index, done, drift):
+            with tf.control_dependencies([done]):
+                for seed, cache in zip(seeds, seed_caches):
+                    seed.assign(cache.read(index))
+                leaves = [[c.read(index) for c in each[:n_leaves]] for each in caches]
+            grads = [[c.read(index) for c in each] for each in grad_caches]
+            first = [[c.read(index) for c in each[n_leaves:-1]] for each in caches]
+            marker, step_drift = backward(leaves, grads, ops.equal(index, 0), first)
+            return index + 1, marker, ops.maximum(drift, step_drift)
+
+        _, _, drift = tf.while_loop(
+            lambda index, *_: index < length,
+            second_pass,
+            (tf.constant(0, "int32"), tf.zeros((), "int64"), tf.zeros(())),
+            parallel_iterations=1,
+        )
+        return logs, check_replayed(drift, model.name)
 
     def _passes(self):
         """The two-pass group's ``(forward, loss, backward, update)``, in graph or XLA mode.

@@ -272,9 +272,7 @@ class GradientAccumulateModel(keras.Model):
             REMOVED_MODEL_ARGUMENTS,
         )
         self.accum_steps = check_accum_steps(accum_steps)
-        self.micro_batch_size = check_micro_batch_size(
-            micro_batch_size, self.accum_steps, coupled_loss
-        )
+        self.micro_batch_size = check_micro_batch_size(micro_batch_size, self.accum_steps)
         self.reduce_every_micro_step = check_bool(
             "reduce_every_micro_step", reduce_every_micro_step
         )

@@ -64,10 +64,10 @@ SPLIT_BATCHES = "split batches"
 
 
 def after(done, data):
-    """``data``, read once ``done`` (a tensor, or ``None``: at once) is computed."""
+    """``data``, read once ``done`` (a tensor, a list of them, or ``None``: at once) is computed."""
     if done is None:
         return data
-    with tf.control_dependencies([done]):
+    with tf.control_dependencies(done if isinstance(done, list) else [done]):
         return tf.nest.map_structure(
             lambda t: t if t is None else tf.identity(t), data, expand_composites=True
         )
@@ -361,8 +361,9 @@ class GroupRunner:
                     last: xla_micro_step(model, steps, last, measures) for last in (False, True)
                 }
 
-            def micro_step(data, index, count, size, ends_group, done):
-                def cut(data):
+            def cut(data, index, size, done):
+                # Micro-batch `index` of each replica's rows, read once `done` is.
+                def replica(data):
                     rows = _rows(data)
                     start = ops.minimum(index * size, rows)
                     stop = ops.minimum(start + size, rows)
@@ -370,12 +371,16 @@ class GroupRunner:
                         lambda t: t if t is None else t[start:stop], after(done, data)
                     )
 
+                return strategy.run(replica, args=(data,))
+
+            def micro_step(data, index, count, size, ends_group, done):
+                data = cut(data, index, size, [done])
                 if xla:
-                    return programs[ends_group](strategy.run(cut, args=(data,)), index, count)
+                    return programs[ends_group](data, index, count)
 
                 def run(data):
                     micro = steps.accumulator.micro_step_at(index, count, ends_group, measures)
-                    return steps.micro_step(cut(data), micro)
+                    return steps.micro_step(data, micro)
 
                 marker, _ = strategy.run(run, args=(data,))
                 return local_sum(strategy, marker)
@@ -388,9 +393,15 @@ class GroupRunner:
                 _, done = tf.while_loop(lambda index, _: index < count - 1, add_one, start)
                 return micro_step(data, count - 1, count, size, True, done)
 
+            coupled = model.coupled_loss is not None
+            if coupled:
+                group = self._coupled.split_group_function(cut)
+
             def end():
                 def run():
                     logs = dict(model.get_metrics_result())
+                    if coupled:
+                        return self._coupled.end_group(logs)
                     return steps.end_group(True, measures, None, logs)
 
                 return reduce_replica_logs(strategy.run(run), strategy)

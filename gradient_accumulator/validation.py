@@ -200,7 +200,7 @@ def check_train_step_not_overridden(model, wrapper_class):
     )
 
 
-def check_micro_batch_size(micro_batch_size, accum_steps, coupled_loss):
+def check_micro_batch_size(micro_batch_size, accum_steps):
     """Returns ``micro_batch_size`` (``None`` or ``"auto"``), or refuses it by name."""
     if micro_batch_size is None:
         return None
@@ -216,17 +216,11 @@ def check_micro_batch_size(micro_batch_size, accum_steps, coupled_loss):
             "chooses them: state the update's batch as fit's `batch_size` and leave "
             f"accum_steps at 1. Received: accum_steps={accum_steps!r}, micro_batch_size='auto'"
         )
-    if coupled_loss is not None:
-        raise ValueError(
-            "micro_batch_size='auto' does not yet support a coupled loss: use accum_steps "
-            "with the micro-batch as fit's batch_size. Received: "
-            f"coupled_loss={coupled_loss!r}, micro_batch_size='auto'"
-        )
     return micro_batch_size
 
 
 def check_auto_micro_batch(model, statistics_layers, multi_worker):
-    """Refuses what ``micro_batch_size="auto"`` does not (yet) run: workers, fixed AccumBN."""
+    """Refuses what ``micro_batch_size="auto"`` does not run: workers, XLA's coupled loss, ..."""
     if model.micro_batch_size is None:
         return
     fixed = [layer for layer in statistics_layers if layer.accum_steps not in (1, "auto")]
@@ -236,6 +230,11 @@ def check_auto_micro_batch(model, statistics_layers, multi_worker):
         reason = (
             f"under {name} a worker that runs out of memory stops alone while the others wait "
             "in the update's reduction"
+        )
+    elif model.coupled_loss is not None and model.jit_compile and not model.run_eagerly:
+        reason = (
+            "a coupled loss's passes under XLA are programs that write variables, which an "
+            "out-of-memory error would corrupt; compile with jit_compile=False"
         )
     elif fixed:
         reason = (

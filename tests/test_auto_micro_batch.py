@@ -46,6 +46,7 @@ from tests.helpers import (
     script_results,
     unknown_length_dataset,
 )
+from tests.test_coupled import info_nce, pairs
 
 BATCH = 32
 X, Y = make_regression_data(88)  # batches of 32, 32, 24: the epoch's last one shorter
@@ -480,12 +481,75 @@ def test_the_mode_survives_serialization(tmp_path):
         ({"micro_batch_size": 16}, "micro_batch_size=16"),
         ({"micro_batch_size": "Auto"}, "micro_batch_size='Auto'"),
         ({"micro_batch_size": "auto", "accum_steps": 4}, "accum_steps=4, micro_batch_size='auto'"),
-        ({"micro_batch_size": "auto", "coupled_loss": "replica"}, "coupled_loss='replica'"),
     ],
 )
 def test_refuses_arguments_the_mode_cannot_take(kwargs, match):
     with pytest.raises(ValueError, match=match):
         build(GradientAccumulateModel, **kwargs)
+
+
+def dual_encoder(cls=keras.Model, oom=None, dropout=False, **kwargs):
+    """tests/test_coupled.py's two towers, ``oom`` (a layer) on the queries' hidden layer."""
+    from tests.test_coupled import FEATURES
+
+    keras.utils.set_random_seed(1)
+
+    def tower(inputs, oom):
+        hidden = keras.layers.Dense(16, activation="relu")(inputs)
+        hidden = hidden if oom is None else oom(hidden)
+        hidden = keras.layers.Dropout(0.3, seed=3)(hidden) if dropout else hidden
+        return keras.layers.UnitNormalization()(keras.layers.Dense(8)(hidden))
+
+    query = keras.Input((FEATURES,), name="query")
+    candidate = keras.Input((FEATURES,), name="candidate")
+    outputs = keras.layers.Concatenate()([tower(query, oom), tower(candidate, None)])
+    model = cls(inputs={"query": query, "candidate": candidate}, outputs=outputs, **kwargs)
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss=info_nce)
+    return model
+
+
+def test_a_coupled_loss_falls_back_and_trains_as_the_big_batch():
+    # InfoNCE over the batch (tests/test_coupled.py): the group's loss on the
+    # whole batch's outputs, whatever micro-batches the fall-backs leave (the
+    # first group's failed tries: their cached outputs dropped, the seeds
+    # and sums put back). 88 pairs: batches of 32, 32, 24.
+    x, y = pairs(88)
+    reference = dual_encoder()
+    reference_history = reference.fit(
+        x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0
+    )
+    model = dual_encoder(
+        GradientAccumulateModel,
+        OutOfMemoryAbove(8),
+        micro_batch_size="auto",
+        coupled_loss="replica",
+    )
+    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    assert_diff_below(max_abs_diff(reference.get_weights(), model.get_weights()), FLOAT32_ATOL)
+    np.testing.assert_allclose(
+        history.history["loss"], reference_history.history["loss"], rtol=1e-6
+    )
+    assert changes(model) == [(0, 32, 16), (0, 16, 8)]
+    # With Dropout, whose masks are drawn per micro-batch (and replayed in
+    # the second pass): accum_steps=4 at the micro-batch the fall-backs end at.
+    reference = dual_encoder(
+        GradientAccumulateModel, dropout=True, accum_steps=4, coupled_loss="replica"
+    )
+    reference.fit(x, y, batch_size=8, epochs=EPOCHS, shuffle=False, verbose=0)
+    model = dual_encoder(
+        GradientAccumulateModel,
+        OutOfMemoryAbove(8),
+        dropout=True,
+        micro_batch_size="auto",
+        coupled_loss="replica",
+    )
+    model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    assert_diff_below(max_abs_diff(reference.get_weights(), model.get_weights()), FLOAT32_ATOL)
+    # Under XLA, the passes' programs write variables: refused.
+    model = dual_encoder(GradientAccumulateModel, micro_batch_size="auto", coupled_loss="replica")
+    model.compile(optimizer="sgd", loss=info_nce, jit_compile=True)
+    with pytest.raises(ValueError, match="coupled loss's passes under XLA"):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
 
 
 NOISE_LOGS = ("noise_scale", "noise_scale_trace", "noise_scale_signal")
@@ -713,7 +777,9 @@ def test_group_step_is_refused_in_the_mode():
 def test_two_replicas_switch_together_and_train_as_the_big_batch():
     result = script_results(run_script_module("mirrored_auto_micro_batch"))
     assert result["moved"] > 0.05
-    for case in ("every", "one"):  # every replica out of memory, or replica 1 only
+    # Every replica out of memory, or replica 1 only; a coupled loss over the
+    # global batch (every replica).
+    for case in ("every", "one", "coupled"):
         figures = result[case]
         assert_diff_below(figures["diff"], FLOAT32_ATOL, case)
         assert figures["changes"] == [[0, 32, 16], [0, 16, 8]], case
