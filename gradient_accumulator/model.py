@@ -381,7 +381,7 @@ class GradientAccumulateModel(keras.Model):
                 "(one batch, one update). Received: "
                 f"micro_batch_size={self.micro_batch_size!r}"
             )
-        if self.coupled_loss is not None and self.accum_steps > 1:
+        if self._couples_groups():
             raise ValueError(
                 f"`group_step` runs one micro-step per batch, and model '{self.name}' has "
                 f"`coupled_loss={self.coupled_loss!r}`, whose loss is computed on the "
@@ -455,6 +455,15 @@ class GradientAccumulateModel(keras.Model):
     def _accumulates(self):
         # Whether a group may have several micro-batches.
         return self.accum_steps > 1 or self.micro_batch_size is not None
+
+    def _couples_groups(self):
+        # Whether `fit`'s groups run the coupled loss's passes (its loss on the
+        # whole batch): several micro-batches, or the global batch of several
+        # replicas, of which one micro-step's loss sees only its share.
+        if self.coupled_loss is None:
+            return False
+        replicas = self.distribute_strategy.num_replicas_in_sync
+        return self.accum_steps > 1 or (self.coupled_loss == "global" and replicas > 1)
 
     @property
     def micro_batch_changes(self):

@@ -200,7 +200,7 @@ class GroupRunner:
             return SPLIT_BATCHES
         if boundary is None or boundary.epoch_steps is None or boundary.continues_group:
             return MICRO_STEPS
-        if model.coupled_loss is not None and model.accum_steps > 1:
+        if model._couples_groups():
             return COUPLED_GROUPS
         return WHOLE_GROUPS
 
@@ -222,7 +222,7 @@ class GroupRunner:
             self.forget_update_count()
             return self.auto.train_function(iterator, per_call)
         if case == MICRO_STEPS:
-            if model.coupled_loss is not None and model.accum_steps > 1:
+            if model._couples_groups():
                 self._refuse_micro_steps()
             self.forget_update_count()
             return self.micro_steps_function()(iterator, per_call)

@@ -361,9 +361,10 @@ def test_two_replicas_equal_one_device(kind):
     for output in outputs:
         result = script_results(output)
         assert result["replicas"] == 2
-        # The dual encoder's two scopes, the retrieval model's cases (the
-        # loss-side BatchNormalization and reduce_every_micro_step: 'global').
-        assert len(result["results"]) == 2 + 2 * len(LOSS_SIDE_CASES[:-1]) - 1 + 1
+        # The dual encoder's two scopes (and 'global' at accum_steps=1), the
+        # retrieval model's cases (the loss-side BatchNormalization and
+        # reduce_every_micro_step: 'global').
+        assert len(result["results"]) == 3 + 2 * len(LOSS_SIDE_CASES[:-1]) - 1 + 1
         for case, figures in result["results"].items():
             assert_diff_below(figures["diff"], FLOAT32_ATOL, (case, figures))
             # The retrieval model's embeddings start small and move less.

@@ -113,6 +113,12 @@ def main(kind="mirrored"):
             )
         loss = train(model, x, y, GLOBAL_MICRO_BATCH, info_nce, strategy)
         results[case] = figures(model, loss, references, case, initial)
+    # accum_steps=1: a group is one micro-batch per replica, its loss still the
+    # global batch's (each replica's share alone was trained, silently).
+    with strategy.scope():
+        model = dual_encoder(GradientAccumulateModel, accum_steps=1, coupled_loss="global")
+    loss = train(model, x, y, GLOBAL_MICRO_BATCH * ACCUM_STEPS, info_nce, strategy)
+    results["accum_steps_1_global"] = figures(model, loss, references, "global", initial)
     # The KerasRS-style retrieval model: what its `compute_loss` reads besides
     # the outputs (tests/test_coupled.py's cases but the metric's, which trains
     # nothing; a loss-side BatchNormalization under 'global' only, where each
