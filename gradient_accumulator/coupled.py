@@ -61,6 +61,18 @@ def check_coupled_loss(value):
     )
 
 
+def couples_groups(model):
+    """Whether ``fit``'s groups run the two passes: its loss on the group's whole batch.
+
+    Several micro-batches, or the global batch (``"global"``) of several
+    replicas, of which one micro-step's loss sees only its replica's share.
+    """
+    if model.coupled_loss is None:
+        return False
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    return model.accum_steps > 1 or (model.coupled_loss == "global" and replicas > 1)
+
+
 def _gather(tensors, rows, replicas):
     """Every replica's ``tensors`` (``rows`` each), concatenated in replica order.
 

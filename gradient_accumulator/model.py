@@ -24,6 +24,7 @@ from gradient_accumulator.batchnorm_averaging import AverageBatchNormStatistics
 from gradient_accumulator.coupled import (
     CoupledGroup,
     check_coupled_loss,
+    couples_groups,
     warn_if_loss_couples_samples,
 )
 from gradient_accumulator.distribute import is_multi_worker
@@ -381,7 +382,7 @@ class GradientAccumulateModel(keras.Model):
                 "(one batch, one update). Received: "
                 f"micro_batch_size={self.micro_batch_size!r}"
             )
-        if self._couples_groups():
+        if couples_groups(self):
             raise ValueError(
                 f"`group_step` runs one micro-step per batch, and model '{self.name}' has "
                 f"`coupled_loss={self.coupled_loss!r}`, whose loss is computed on the "
@@ -455,15 +456,6 @@ class GradientAccumulateModel(keras.Model):
     def _accumulates(self):
         # Whether a group may have several micro-batches.
         return self.accum_steps > 1 or self.micro_batch_size is not None
-
-    def _couples_groups(self):
-        # Whether `fit`'s groups run the coupled loss's passes (its loss on the
-        # whole batch): several micro-batches, or the global batch of several
-        # replicas, of which one micro-step's loss sees only its share.
-        if self.coupled_loss is None:
-            return False
-        replicas = self.distribute_strategy.num_replicas_in_sync
-        return self.accum_steps > 1 or (self.coupled_loss == "global" and replicas > 1)
 
     @property
     def micro_batch_changes(self):

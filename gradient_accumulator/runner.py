@@ -56,6 +56,7 @@ from keras import ops
 
 from gradient_accumulator._compat import reduce_replica_logs
 from gradient_accumulator.auto_micro_batch import AUTO, AutoMicroBatch, xla_micro_step
+from gradient_accumulator.coupled import couples_groups
 
 WHOLE_GROUPS = "whole groups"
 COUPLED_GROUPS = "coupled whole groups"
@@ -200,7 +201,7 @@ class GroupRunner:
             return SPLIT_BATCHES
         if boundary is None or boundary.epoch_steps is None or boundary.continues_group:
             return MICRO_STEPS
-        if model._couples_groups():
+        if couples_groups(model):
             return COUPLED_GROUPS
         return WHOLE_GROUPS
 
@@ -222,7 +223,7 @@ class GroupRunner:
             self.forget_update_count()
             return self.auto.train_function(iterator, per_call)
         if case == MICRO_STEPS:
-            if model._couples_groups():
+            if couples_groups(model):
                 self._refuse_micro_steps()
             self.forget_update_count()
             return self.micro_steps_function()(iterator, per_call)
