@@ -244,7 +244,7 @@ class AutoMicroBatch:
             count, size = _slices(rows, micro)
             # The noise scale compares a micro-batch's gradient with the
             # batch's: a batch run whole on one replica has no smaller one.
-            measures = measured and (count > 1 or len(rows) > 1)
+            measures = self._model.noise_scale and measured and (count > 1 or len(rows) > 1)
             group, end = self._functions(measures)
             try:
                 self._micro_steps(group, data, count, size)

@@ -845,7 +845,8 @@ def test_invalid_accum_steps_is_refused(accum_steps):
     model, _ = _sequential_model()
     with pytest.raises(
         ValueError,
-        match=rf"`accum_steps` must be an integer >= 1\. Received: accum_steps={accum_steps!r}",
+        match=rf"`accum_steps` must be an integer >= 1, or 'auto' .*\. "
+        rf"Received: accum_steps={accum_steps!r}",
     ):
         replace_batchnorm_layers(model, accum_steps=accum_steps)
 

@@ -544,7 +544,8 @@ def test_keras_file_round_trip_keeps_the_pending_group(tmp_path):
 def test_bad_accum_steps(accum_steps, received):
     with pytest.raises(
         ValueError,
-        match=rf"`accum_steps` must be an integer >= 1\. Received: accum_steps={received}$",
+        match=rf"`accum_steps` must be an integer >= 1, or 'auto' .*\. "
+        rf"Received: accum_steps={received}$",
     ):
         AccumBatchNormalization(accum_steps=accum_steps)
 

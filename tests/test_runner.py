@@ -205,7 +205,7 @@ def test_each_case_s_function_is_read_through_the_accessor():
     auto = build_dense(GradientAccumulateModel, micro_batch_size="auto")
     auto.compile(OPTIMIZERS["sgd_momentum"](), "mse")
     auto.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    group, end = auto._runner.compiled(SPLIT_BATCHES)
+    group, end = auto._runner.compiled(SPLIT_BATCHES, measures=False)  # no noise scale
     assert group is not None and end is not None
 
 
