@@ -24,7 +24,7 @@ from typing import NamedTuple
 import keras
 import tensorflow as tf
 
-from gradient_accumulator._compat import stateless_scope_writes, tf_variable
+from gradient_accumulator._compat import optimizer_chain, stateless_scope_writes, tf_variable
 from gradient_accumulator.writes import make_writes, writes_returned
 
 AUTO = "auto"
@@ -307,7 +307,9 @@ class AutoMicroBatch:
         model = self._model
         replicas = model.distribute_strategy.num_replicas_in_sync
         reason = _reason(error)
-        update = int(model.optimizer.iterations.numpy())
+        # The innermost optimizer's count: Keras 3.3.3's LossScaleOptimizer
+        # keeps an `iterations` of its own that stays 0.
+        update = int(optimizer_chain(model.optimizer)[-1].iterations.numpy())
         if new is None:
             raise _out_of_memory(
                 f"Model '{model.name}' ran out of memory at micro-batch {old * replicas} "

@@ -48,7 +48,7 @@ def make_writes(writes, values=None):
 
     Returns the write operations.
     """
-    made = []
+    made = []  # Keras 3.3.3's writes of its variables return None: not listed
     for k, (variable, kind, value) in enumerate(writes):
         value = value if values is None else values[k]
         # Keras's variables (written by a Keras layer or metric) take no `read_value`.
@@ -59,14 +59,15 @@ def make_writes(writes, values=None):
             made.append(scatter_add_in_place(variable, value))
         else:
             made.append(variable.assign_add(value, **keyword))
-    return made
+    return [write for write in made if write is not None]
 
 
 def write(variable, kind, value):
     """Writes ``value`` into ``variable`` (``kind``: :func:`writes_returned`), or lists it."""
     writes = getattr(_deferred, "writes", None)
     if writes is None:
-        return make_writes([(variable, kind, value)])[0]
+        made = make_writes([(variable, kind, value)])
+        return made[0] if made else None
     writes.append((variable, kind, value))
     return None
 
