@@ -369,10 +369,11 @@ class LossScaleLog(keras.callbacks.Callback):
         self.trace = []
 
     def on_train_batch_end(self, batch, logs=None):
+        # The inner optimizer's count: Keras 3.3.3's LossScaleOptimizer keeps
+        # an `iterations` of its own that stays 0.
         optimizer = self.model.optimizer
-        self.trace.append(
-            (float(optimizer.dynamic_scale.numpy()), int(optimizer.iterations.numpy()))
-        )
+        applied = optimizer.inner_optimizer.iterations
+        self.trace.append((float(optimizer.dynamic_scale.numpy()), int(applied.numpy())))
 
 
 def test_mixed_float16_near_overflow_falls_back_and_keeps_the_big_batch_s_loss_scale(
