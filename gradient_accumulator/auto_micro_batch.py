@@ -186,8 +186,8 @@ def xla_micro_step(model, steps, ends_group, measures):
             checked.append(True)
 
         def make(values):
-            writes = [(variable, kind, None) for variable, kind in listed]
-            with tf.control_dependencies(make_writes(writes, values)):
+            writes = [(variable, kind, value) for (variable, kind), value in zip(listed, values)]
+            with tf.control_dependencies(make_writes(writes)):
                 return steps.accumulator.micro_step.read_value()
 
         return strategy.run(make, args=(values,))

@@ -438,7 +438,7 @@ class CoupledGroup:
                 with tf.control_dependencies(done):
                     return next(iterator)
 
-            logs, checked = self._two_passes(passes, fetch, length)
+            logs, _, checked = self._two_passes(passes, fetch, length)
             with tf.control_dependencies([checked]):
                 passes[-1]()
             return self._steps.with_update_logs(logs)
@@ -456,18 +456,21 @@ class CoupledGroup:
         passes = self._passes()
 
         def group(data, count, size):
-            _, checked = self._two_passes(passes, lambda i, done: cut(data, i, size, done), count)
-            strategy = self._model.distribute_strategy
+            def fetch(index, done):
+                return cut(data, index, size, done)
+
+            _, marker, checked = self._two_passes(passes, fetch, count)
             with tf.control_dependencies([checked]):
-                counts = strategy.experimental_local_results(self._steps.accumulator.micro_step)
-                return ops.sum(ops.stack([ops.convert_to_tensor(c) for c in counts]))
+                return tf.identity(marker)
 
         return group
 
     def _two_passes(self, passes, fetch, length):
-        """The passes over ``length`` micro-batches, ``fetch(index, done)``: ``(logs, checked)``.
+        """The passes over ``length`` micro-batches from ``fetch(index, done)``.
 
-        ``checked``: the replay check, computed once the last gradient is added.
+        Returns ``(logs, marker, checked)``: ``marker`` the accumulator's
+        count read once the last gradient is added, ``checked`` the replay
+        check.
         """
         model = self._model
         strategy = model.distribute_strategy
@@ -525,13 +528,13 @@ class CoupledGroup:
             marker, step_drift = backward(leaves, grads, ops.equal(index, 0), first)
             return index + 1, marker, ops.maximum(drift, step_drift)
 
-        _, _, drift = tf.while_loop(
+        _, marker, drift = tf.while_loop(
             lambda index, *_: index < length,
             second_pass,
             (tf.constant(0, "int32"), tf.zeros((), "int64"), tf.zeros(())),
             parallel_iterations=1,
         )
-        return logs, check_replayed(drift, model.name)
+        return logs, marker, check_replayed(drift, model.name)
 
     def _passes(self):
         """The two-pass group's ``(forward, loss, backward, update)``, in graph or XLA mode.

@@ -355,8 +355,8 @@ class GroupRunner:
         if (SPLIT_BATCHES, measures) not in self._functions:
             model, steps = self._model, self._steps
             strategy = model.distribute_strategy
-
-            xla = model.jit_compile and not model.run_eagerly
+            coupled = model.coupled_loss is not None  # refused under XLA (validation)
+            xla = model.jit_compile and not model.run_eagerly and not coupled
             if xla:
                 programs = {
                     last: xla_micro_step(model, steps, last, measures) for last in (False, True)
@@ -394,7 +394,6 @@ class GroupRunner:
                 _, done = tf.while_loop(lambda index, _: index < count - 1, add_one, start)
                 return micro_step(data, count - 1, count, size, True, done)
 
-            coupled = model.coupled_loss is not None
             if coupled:
                 group = self._coupled.split_group_function(cut)
 

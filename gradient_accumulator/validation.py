@@ -27,16 +27,13 @@ def check_layer_accum_steps(accum_steps):
     """An AccumBatchNormalization's ``accum_steps``: an integer >= 1, or ``"auto"``."""
     if isinstance(accum_steps, str) and accum_steps == "auto":
         return accum_steps
-    if (
-        isinstance(accum_steps, bool)
-        or not isinstance(accum_steps, numbers.Integral)
-        or (accum_steps < 1)
-    ):
+    try:
+        return check_accum_steps(accum_steps)
+    except ValueError:
         raise ValueError(
             "`accum_steps` must be an integer >= 1, or 'auto' (the groups of the "
             f"GradientAccumulateModel it is in). Received: accum_steps={accum_steps!r}"
-        )
-    return int(accum_steps)
+        ) from None
 
 
 def check_positive_float(name, value):

@@ -43,14 +43,13 @@ def writes_returned():
         _deferred.writes = previous
 
 
-def make_writes(writes, values=None):
-    """Makes ``writes`` (from :func:`writes_returned`), ``values`` in place of theirs if given.
+def make_writes(writes):
+    """Makes ``writes``, ``(variable, kind, value)`` as :func:`writes_returned` lists them.
 
     Returns the write operations.
     """
     made = []  # Keras 3.3.3's writes of its variables return None: not listed
-    for k, (variable, kind, value) in enumerate(writes):
-        value = value if values is None else values[k]
+    for variable, kind, value in writes:
         # Keras's variables (written by a Keras layer or metric) take no `read_value`.
         keyword = {"read_value": False} if isinstance(variable, tf.Variable) else {}
         if kind == "assign":
