@@ -262,9 +262,10 @@ class AutoMicroBatch:
                 f"Model '{self._model.name}' ran out of memory in the optimizer's update, after "
                 "its group's gradients were summed. The micro-batch does not change the "
                 "update's memory (the weights, the sums and the optimizer's variables): the "
-                "weights and the optimizer's variables may be partly updated. Restore the last "
-                "checkpoint (keras.callbacks.BackupAndRestore) and train with an optimizer of "
-                "less state or a smaller model.",
+                "weights and the optimizer's variables may be partly updated (under XLA, "
+                "whose update writes them in place, their memory lost: do not save them). "
+                "Restore the last checkpoint (keras.callbacks.BackupAndRestore) and train with "
+                "an optimizer of less state or a smaller model.",
             ) from error
         replicas = strategy.num_replicas_in_sync
         return {**logs, "micro_batch_size": self.micro_batch_size * replicas}
