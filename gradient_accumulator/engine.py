@@ -20,7 +20,7 @@ from keras import ops
 from gradient_accumulator import noise_scale
 from gradient_accumulator._compat import KerasSaveable
 from gradient_accumulator.distribute import all_reduce_in_replica
-from gradient_accumulator.writes import write
+from gradient_accumulator.writes import read, write
 
 # The keys of the accumulation state in a Keras weights store (`.keras` and
 # `.weights.h5` files), beside the owner's own numbered variables.
@@ -165,7 +165,7 @@ def replica_local(value, shape, dtype, name, aggregation):
 def _maximum_in_place(acc, grad, is_first):
     """``acc`` becomes ``grad`` at a group's first micro-step, else ``max(acc, grad)``."""
     grad = ops.cast(tf.convert_to_tensor(grad), "float32")  # IndexedSlices densified
-    return write(acc, "assign", ops.where(is_first, grad, ops.maximum(acc, grad)))
+    return write(acc, "assign", ops.where(is_first, grad, ops.maximum(read(acc), grad)))
 
 
 def _add_in_place(acc, grad):

@@ -55,7 +55,13 @@ import tensorflow as tf
 from keras import ops
 
 from gradient_accumulator._compat import reduce_replica_logs
-from gradient_accumulator.auto_micro_batch import AUTO, AutoMicroBatch, xla_micro_step
+from gradient_accumulator.auto_micro_batch import (
+    AUTO,
+    AutoMicroBatch,
+    carried_sums,
+    write_carried_sums,
+    xla_micro_step,
+)
 from gradient_accumulator.coupled import couples_groups
 
 WHOLE_GROUPS = "whole groups"
@@ -350,9 +356,11 @@ class GroupRunner:
         the other (each slice is read once the previous one has added its
         gradients), the last one traced as the group's last; it writes the
         sums, metrics and layers' state, never a weight or an optimizer
-        variable. ``end()`` ends the group and returns its logs. One trace
-        for every ``count`` and ``size``; ``measures``: whether the noise
-        scale measures the group (one pair of functions each).
+        variable (under XLA the sums go through the micro-steps' programs as
+        values and are written once, after the last). ``end()`` ends the
+        group and returns its logs. One trace for every ``count`` and
+        ``size``; ``measures``: whether the noise scale measures the group
+        (one pair of functions each).
         """
         if (SPLIT_BATCHES, measures) not in self._functions:
             model, steps = self._model, self._steps
@@ -376,10 +384,10 @@ class GroupRunner:
 
                 return strategy.run(replica, args=(data,))
 
-            def micro_step(data, index, count, size, ends_group, done):
+            def micro_step(data, index, count, size, ends_group, done, sums=None):
                 data = cut(data, index, size, [done])
                 if xla:
-                    return programs[ends_group](data, index, count)
+                    return programs[ends_group](data, index, count, sums)
 
                 def run(data):
                     micro = steps.accumulator.micro_step_at(index, count, ends_group, measures)
@@ -387,6 +395,16 @@ class GroupRunner:
 
                 marker, _ = strategy.run(run, args=(data,))
                 return local_sum(strategy, marker)
+
+            def xla_group(data, count, size):
+                def add_one(index, done, sums):
+                    done, sums = micro_step(data, index, count, size, False, done, sums)
+                    return index + 1, done, sums
+
+                start = (tf.constant(0, "int32"), tf.zeros((), "int64"), carried_sums(model, steps))
+                _, done, sums = tf.while_loop(lambda index, *_: index < count - 1, add_one, start)
+                _, sums = micro_step(data, count - 1, count, size, True, done, sums)
+                return write_carried_sums(model, steps, sums)
 
             def group(data, count, size):
                 def add_one(index, done):
@@ -398,6 +416,8 @@ class GroupRunner:
 
             if coupled:
                 group = self._coupled.split_group_function(cut)
+            elif xla:
+                group = xla_group
 
             def end():
                 def run():

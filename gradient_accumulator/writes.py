@@ -11,6 +11,12 @@ noise scale's) go through :func:`write`, which lists them; :func:`read` reads a
 variable as the listed writes leave it; :func:`make_writes` makes them, after
 the program. Keras's own variables are caught by a ``keras.StatelessScope``
 there. Outside :func:`writes_returned`, :func:`write` writes at once.
+
+Variables *carried* by :func:`writes_returned` (the sums, under XLA) are
+values passed in and out of the program: :func:`read` starts from the value
+passed in, and their writes are not listed; the caller reads their new
+values with :func:`read` before the context ends, and writes them when it
+chooses (once per group).
 """
 
 import contextlib
@@ -25,7 +31,7 @@ _deferred = threading.local()
 
 
 @contextlib.contextmanager
-def writes_returned():
+def writes_returned(carried=()):
     """Within, the accumulator's writes of its own variables are listed, not made.
 
     Yields the list, ``(variable, kind, value)`` in the order written
@@ -34,13 +40,18 @@ def writes_returned():
     that must write no variable (a micro-step under XLA that may run out of
     memory: ``gradient_accumulator.auto_micro_batch``); the writes of Keras
     variables go to a ``keras.StatelessScope`` there.
+
+    Args:
+        carried: ``(variable, value)`` pairs: variables whose value is
+            ``value`` within, and whose writes are not listed (see the module).
     """
-    previous = getattr(_deferred, "writes", None)
+    previous = getattr(_deferred, "writes", None), getattr(_deferred, "carried", None)
     _deferred.writes = []
+    _deferred.carried = {id(variable): [value] for variable, value in carried}
     try:
         yield _deferred.writes
     finally:
-        _deferred.writes = previous
+        _deferred.writes, _deferred.carried = previous
 
 
 def make_writes(writes):
@@ -67,21 +78,31 @@ def write(variable, kind, value):
     if writes is None:
         made = make_writes([(variable, kind, value)])
         return made[0] if made else None
-    writes.append((variable, kind, value))
+    carried = _deferred.carried.get(id(variable))
+    if carried is not None:
+        carried[0] = _written(carried[0], kind, value)
+    else:
+        writes.append((variable, kind, value))
     return None
+
+
+def _written(value, kind, written):
+    """``value`` after a write of ``written`` (``kind``: :func:`writes_returned`)."""
+    if kind == "assign":
+        return written
+    if kind == "add":
+        return value + written
+    indices = ops.expand_dims(written.indices, -1)
+    return tf.tensor_scatter_nd_add(value, indices, written.values)
 
 
 def read(variable):
     """``variable``'s value, with the writes :func:`writes_returned` listed for it made."""
+    carried = (getattr(_deferred, "carried", None) or {}).get(id(variable))
+    if carried is not None:
+        return carried[0]
     value = variable.read_value()
     for written, kind, written_value in getattr(_deferred, "writes", None) or []:
-        if written is not variable:
-            continue
-        if kind == "assign":
-            value = written_value
-        elif kind == "add":
-            value = value + written_value
-        else:
-            indices = ops.expand_dims(written_value.indices, -1)
-            value = tf.tensor_scatter_nd_add(value, indices, written_value.values)
+        if written is variable:
+            value = _written(value, kind, written_value)
     return value

@@ -284,6 +284,28 @@ def test_float8_after_fall_backs_is_the_fixed_mode_at_the_micro_batch_they_end_a
     assert_diff_below(max_abs_diff(reference.weights, model.weights), FLOAT32_ATOL)
 
 
+def test_float8_under_xla_is_the_fixed_mode_at_the_micro_batch_in_force():
+    # Under XLA the sums, the float8 maxima among them, go in and out of the
+    # micro-steps' programs and are written once per group: the maximum of a
+    # group's micro-batches is taken from the carried value, not the variable.
+    # The reference is accum_steps=4 at batch 8 under XLA, whose programs add
+    # in place (other XLA programs: float8_differences' tolerances).
+    reference = float8_mlp(GradientAccumulateModel, accum_steps=4)
+    reference.compile(keras.optimizers.Adam(0.01), "mse", jit_compile=True)
+    fit_float8(reference, batch=8)
+    model = float8_mlp(GradientAccumulateModel, micro_batch_size="auto")
+    model.compile(keras.optimizers.Adam(0.01), "mse", jit_compile=True)
+    model._runner.auto.micro_batch_size = 8
+    history = fit_float8(model)
+    assert history.history["micro_batch_size"] == [8, 8]
+    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
+    differences = float8_differences(reference, model)
+    assert differences["state"] < FLOAT8_STATE_RTOL, differences
+    assert differences["kernel"] < FLOAT8_KERNEL_RTOL, differences
+    amax = np.asarray(model.layers[1].inputs_amax_history)
+    assert np.count_nonzero(amax) == 6 and len(set(amax[amax > 0])) > 1, amax
+
+
 class PenalisedLoss:
     """An own ``compute_loss``: the compiled loss doubled, the outputs' and the kernels' squares.
 
