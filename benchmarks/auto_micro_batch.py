@@ -26,7 +26,7 @@ A failed try on a pooled allocator (oneDNN's on a CPU, every GPU's) first
 waits up to 10 s for memory to be freed (``BFCAllocator``); these errors
 come at once, so the figures are the library's own cost, that wait excluded.
 
-Run: ``python -m benchmarks.auto_micro_batch`` (``--rounds 15``; ``--quick``
+Run: ``python -m benchmarks.auto_micro_batch`` (``--rounds 15``, ``--width 512``; ``--quick``
 for CI: a small model, figures meaningless). Writes ``auto_micro_batch.json`` and ``.png``.
 """
 
@@ -89,12 +89,13 @@ def main():
 
     p = parser(__doc__)
     p.add_argument("--rounds", type=int, default=ROUNDS, help="epochs of each, taking turns")
+    p.add_argument("--width", type=int, default=512, help="the hidden layers' width")
     args = p.parse_args()
     logging.getLogger("gradient_accumulator").setLevel(logging.ERROR)  # the fall-backs' lines
     setup = QUICK if args.quick else {"batch": BATCH, "fits": FITS, "updates": UPDATES}
     setup.setdefault("rounds", args.rounds)
     setup.setdefault("features", 256)
-    setup.setdefault("width", 512)
+    setup.setdefault("width", args.width)
     batch, fits, updates = setup["batch"], setup["fits"], setup["updates"]
     shape = {"features": setup["features"], "width": setup["width"]}
     x, y = classification_data(batch * updates, (setup["features"],))
