@@ -234,6 +234,19 @@ def fit_float8(model, batch=32):
     return model.fit(x, y, batch_size=batch, epochs=EPOCHS, shuffle=False, verbose=0)
 
 
+def assert_float8_as(reference, model):
+    """The same updates; state and kernels within float8's tolerances; the amax histories moved.
+
+    Six updates wrote six entries, not all the same.
+    """
+    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
+    differences = float8_differences(reference, model)
+    assert differences["state"] < FLOAT8_STATE_RTOL, differences
+    assert differences["kernel"] < FLOAT8_KERNEL_RTOL, differences
+    amax = np.asarray(model.layers[1].inputs_amax_history)
+    assert np.count_nonzero(amax) == 6 and len(set(amax[amax > 0])) > 1, amax
+
+
 def test_float8_falls_back_in_the_middle_of_training_and_keeps_the_big_batch_s_scales():
     # Float8 Dense layers: each update writes their scales and amax
     # histories (the variables marked overwrite_with_gradient) as the maximum
@@ -257,13 +270,7 @@ def test_float8_falls_back_in_the_middle_of_training_and_keeps_the_big_batch_s_s
     history = fit_float8(model)
     assert changes(model) == MIDDLE_CHANGES
     assert history.history["micro_batch_size"] == [32, 8]
-    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
-    differences = float8_differences(reference, model)
-    assert differences["state"] < FLOAT8_STATE_RTOL, differences
-    assert differences["kernel"] < FLOAT8_KERNEL_RTOL, differences
-    # The amax histories moved: six updates wrote six entries, not all the same.
-    amax = np.asarray(model.layers[1].inputs_amax_history)
-    assert np.count_nonzero(amax) == 6 and len(set(amax[amax > 0])) > 1, amax
+    assert_float8_as(reference, model)
 
 
 def test_float8_after_fall_backs_is_the_fixed_mode_at_the_micro_batch_they_end_at():
@@ -298,12 +305,7 @@ def test_float8_under_xla_is_the_fixed_mode_at_the_micro_batch_in_force():
     model._runner.auto.micro_batch_size = 8
     history = fit_float8(model)
     assert history.history["micro_batch_size"] == [8, 8]
-    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
-    differences = float8_differences(reference, model)
-    assert differences["state"] < FLOAT8_STATE_RTOL, differences
-    assert differences["kernel"] < FLOAT8_KERNEL_RTOL, differences
-    amax = np.asarray(model.layers[1].inputs_amax_history)
-    assert np.count_nonzero(amax) == 6 and len(set(amax[amax > 0])) > 1, amax
+    assert_float8_as(reference, model)
 
 
 class PenalisedLoss:
