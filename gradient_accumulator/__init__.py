@@ -29,6 +29,7 @@ from gradient_accumulator.micro_batch import (  # noqa: E402
 )
 from gradient_accumulator.model import GradientAccumulateModel  # noqa: E402
 from gradient_accumulator.optimizer import GradientAccumulateOptimizer  # noqa: E402
+from gradient_accumulator.remat import remat, rematerialized  # noqa: E402
 
 __all__ = [
     "AccumBatchNormalization",
@@ -39,6 +40,8 @@ __all__ = [
     "adaptive_clip_gradients",
     "average_batchnorm_statistics",
     "choose_micro_batch",
+    "remat",
+    "rematerialized",
     "replace_batchnorm_layers",
     "restore_batchnorm_layers",
     "__version__",

@@ -519,3 +519,135 @@ def custom_gradients_dropped():
         for name in set(registry) - before:
             if name.startswith("CustomGradient-"):
                 del registry[name]
+
+
+# Keras's TensorFlow backend: `keras.RematScope` and `keras.remat` call this module's
+# `remat(f)` (looked up when a layer made in the scope is called, or when
+# `keras.remat` is); on TensorFlow it is `tf.recompute_grad`.
+def _backend_core():
+    from keras.src.backend.tensorflow import core
+
+    return core
+
+
+def keras_rematerialises():
+    """Whether this Keras has ``keras.RematScope`` and ``keras.remat`` (Keras >= 3.9)."""
+    return hasattr(keras, "RematScope") and hasattr(_backend_core(), "remat")
+
+
+_remat_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def backend_remat(remat):
+    """Within, Keras's TensorFlow backend rematerialises with ``remat(f)``.
+
+    Keras has no public hook: its ``RematScope`` and ``keras.remat`` call
+    ``keras.src.backend.tensorflow.core.remat``, replaced here. Nothing where
+    this Keras has no rematerialisation (Keras < 3.9).
+    """
+    if not keras_rematerialises():
+        yield
+        return
+    core = _backend_core()
+    with _remat_lock:
+        original = core.remat
+        core.remat = remat
+    try:
+        yield
+    finally:
+        with _remat_lock:
+            core.remat = original
+
+
+# Keras's dynamic context of a layer call, which a recomputation in the backward
+# pass (run outside it) must see again: the call context carries `training` to
+# sublayers called without it; the autocast scope casts variables under mixed precision.
+_CALL_CONTEXT = ("current_call_ctx", "autocast_scope")
+
+
+def call_context():
+    """Keras's context of the current layer call (its private ``global_state``)."""
+    from keras.src.backend.common import global_state
+
+    return {name: global_state.get_global_attribute(name) for name in _CALL_CONTEXT}
+
+
+@contextlib.contextmanager
+def call_context_of(context):
+    """Within, Keras's layer-call context is ``context`` (:func:`call_context`)."""
+    from keras.src.backend.common import global_state
+
+    before = call_context()
+    for name, value in context.items():
+        global_state.set_global_attribute(name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            global_state.set_global_attribute(name, value)
+
+
+def no_autocast():
+    """A scope in which Keras variables read in their own dtype (no mixed-precision cast)."""
+    from keras.src.backend.common.variables import AutocastScope
+
+    return AutocastScope(None)
+
+
+class LeafWritesScope(keras.StatelessScope):
+    """A ``keras.StatelessScope`` in which a written trainable variable reads back as a leaf.
+
+    TensorFlow differentiates a read that follows ``kernel.assign(new)`` as a
+    read of the variable: no gradient through how ``new`` was computed
+    (SpectralNormalization relies on it). A plain scope would return ``new``
+    itself; here its value is ``new`` and its gradient goes to the value the
+    variable was mapped to. With ``replay`` (the ``written`` of the scope of
+    the same call made before), each write takes the value that call wrote,
+    and a write it did not make is not made: a recomputation writes what the
+    forward pass did, whatever decided it there (the library's
+    once-per-update rule for layer state skips some). Overrides
+    the scope's ``add_update``, which Keras calls for every write inside it
+    (not public API).
+    """
+
+    def __init__(self, state_mapping, trainable, replay=None):
+        super().__init__(state_mapping=state_mapping, collect_losses=True)
+        self._leaves = {
+            id(variable): self.get_current_value(variable)
+            for variable, _ in state_mapping
+            if id(variable) in trainable
+        }
+        # Per variable, the values written, in order; with `replay` (another
+        # scope's `written`), each write takes the value written there instead.
+        self.written = {}
+        self._replay = replay
+
+    def add_update(self, update):
+        variable, value = update
+        values = self.written.setdefault(id(variable), [])
+        if self._replay is not None:
+            replayed = self._replay.get(id(variable), ())
+            if len(replayed) <= len(values):
+                return  # a write the call did not make there (skipped by a rule)
+            value = replayed[len(values)]
+        values.append(value)
+        leaf = self._leaves.get(id(variable))
+        if leaf is not None:
+            value = tf.stop_gradient(value) + (leaf - tf.stop_gradient(leaf))
+        super().add_update((variable, value))
+
+
+def loss_owners(layer, losses):
+    """For each of ``losses`` added in a stateless scope, the layer (``layer`` or in it) that did.
+
+    Keras records the losses a layer adds in a ``keras.StatelessScope`` by
+    their ``id`` in the layer's private ``_loss_ids``; a loss collected by the
+    scope must be added again to the same layer to count in ``model.losses``
+    (a Functional model refuses ``add_loss``). ``None`` where none did.
+    """
+    candidates = [layer, *sublayers(layer)] if layer is not None else []
+    return [
+        next((c for c in candidates if id(loss) in getattr(c, "_loss_ids", ())), None)
+        for loss in losses
+    ]

@@ -53,6 +53,32 @@ def _skipped(value, *args, **kwargs):
     return value
 
 
+def active_frame():
+    """The rule in force for the writes of layer state (:meth:`StateWrites.once_per_update`).
+
+    ``None`` outside it. A recomputation of the forward pass in the backward
+    pass (:mod:`gradient_accumulator.remat`) runs it again with :func:`in_frame`.
+    """
+    stack = getattr(_frames, "stack", None)
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def in_frame(frame):
+    """Within, ``frame`` (:func:`active_frame`'s; ``None``: nothing) is the rule in force."""
+    if frame is None:
+        yield
+        return
+    owner = frame["owner"]
+    stack = _frames.__dict__.setdefault("stack", [])
+    with owner._patched(owner.variables, owner._write):
+        stack.append(frame)
+        try:
+            yield
+        finally:
+            stack.pop()
+
+
 def depends_on(tensor, sources):
     """Whether the symbolic ``tensor`` is computed from any tensor of ``sources`` (refs).
 
@@ -189,14 +215,9 @@ class StateWrites:
         # Replicas trace in threads of their own: each pushes its own frame.
         leaves = tf.nest.flatten(inputs, expand_composites=True)
         sources = {t.ref() for t in leaves if tf.is_tensor(t) and not is_eager_tensor(t)}
-        frame = {"sources": sources, "is_first": is_first, "recording": recording}
-        stack = _frames.__dict__.setdefault("stack", [])
-        with self._patched(self.variables, self._write):
-            stack.append(frame)
-            try:
-                yield
-            finally:
-                stack.pop()
+        frame = {"sources": sources, "is_first": is_first, "recording": recording, "owner": self}
+        with in_frame(frame):
+            yield
 
     def _write(self, variable, name, original):
         """``variable``'s write method ``name`` under the rule."""

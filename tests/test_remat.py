@@ -1,0 +1,275 @@
+"""Rematerialisation: a model built under ``keras.RematScope`` trains as without it.
+
+The reference is the same model built from the same seed without the scope
+(identical weights and random seed states), trained the same way: the
+weights, BatchNormalization's statistics and the seed states after training
+agree within float32 rounding (``FLOAT32_ATOL``; the recomputation's ops run
+apart from the forward pass's, under XLA in a program of their own). Each
+model also shows that the recomputation happens (its layers are traced again
+in the backward pass) and, for Keras's own remat, that it fails (Keras issue
+21207) where ours trains.
+"""
+
+import contextlib
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gradient_accumulator
+from gradient_accumulator import (
+    AccumBatchNormalization,
+    GradientAccumulateModel,
+    GradientAccumulateOptimizer,
+)
+from tests.helpers import (
+    FLOAT16_ATOL,
+    FLOAT32_ATOL,
+    KERAS_VERSION,
+    assert_close,
+    run_script_module,
+    script_results,
+)
+
+pytestmark = pytest.mark.skipif(
+    KERAS_VERSION < (3, 9), reason="keras.RematScope is Keras 3.9's (this Keras has none)"
+)
+
+
+class Traced(keras.layers.Layer):
+    """The identity, counting the times its call is traced (forward and recomputation)."""
+
+    traces = 0
+
+    def call(self, x):
+        Traced.traces += 1
+        return x
+
+
+class AddsLoss(keras.layers.Layer):
+    """The identity that adds a loss of its input (``add_loss`` in a training call)."""
+
+    def call(self, x):
+        self.add_loss(keras.ops.cast(0.01 * keras.ops.mean(keras.ops.square(x)), "float32"))
+        return x
+
+
+def conv_net(
+    cls=GradientAccumulateModel,
+    remat=None,
+    seed=0,
+    batchnorm=keras.layers.BatchNormalization,
+    head=keras.layers.Flatten,
+    **kwargs,
+):
+    """A small ConvNet with BatchNormalization, GELU and two Dropouts, built under ``remat``.
+
+    ``remat``: a ``keras.RematScope`` mode, or ``None`` (the reference). The
+    convolutions feeding BatchNormalization have no bias (their true gradient is 0,
+    and float noise in it is not the model's).
+    """
+    keras.utils.set_random_seed(seed)
+    scope = contextlib.nullcontext() if remat is None else keras.RematScope(**remat)
+    with scope:
+        inputs = keras.Input((8, 8, 3))
+        x = keras.layers.Conv2D(8, 3, use_bias=False, name="conv1")(inputs)
+        x = batchnorm()(x)
+        x = keras.layers.ReLU()(x)
+        x = keras.layers.Conv2D(8, 3, use_bias=False, name="conv2")(x)
+        x = batchnorm()(x)
+        x = keras.layers.Activation("gelu")(x)
+        x = Traced(name="traced")(x)
+        x = keras.layers.MaxPooling2D()(x)
+        x = keras.layers.Dropout(0.3)(x)
+        x = head()(x)
+        x = keras.layers.Dense(16, activation="gelu", name="dense")(x)
+        x = AddsLoss()(x)
+        x = keras.layers.Dropout(0.5)(x)
+        outputs = keras.layers.Dense(1, name="out", dtype="float32")(x)
+        return cls(inputs=inputs, outputs=outputs, **kwargs)
+
+
+def image_data(samples=48, seed=1):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(samples, 8, 8, 3)).astype("float32")
+    y = rng.normal(size=(samples, 1)).astype("float32")
+    return x, y
+
+
+def train(model, x, y, batch_size, jit_compile=False, epochs=2, **fit):
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.01, momentum=0.5), loss="mse", jit_compile=jit_compile
+    )
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **fit)
+    return model
+
+
+MODES = {
+    "full": {"mode": "full"},
+    "activations": {"mode": "activations"},
+    "larger_than": {"mode": "larger_than", "output_size_threshold": 100},
+    "list_of_layers": {"mode": "list_of_layers", "layer_names": ["conv2", "dense", "traced"]},
+}
+
+
+@pytest.mark.parametrize(
+    "mode, jit_compile, accum_steps",
+    [
+        ("full", False, 4),
+        ("full", True, 4),
+        ("full", False, 1),
+        ("full", True, 1),
+        ("activations", False, 4),
+        ("activations", True, 4),
+        ("larger_than", False, 4),
+        ("list_of_layers", True, 4),
+    ],
+)
+def test_remat_trains_as_without(mode, jit_compile, accum_steps):
+    """Every RematScope mode, graph and XLA: weights, statistics and seeds as without it."""
+    x, y = image_data()
+    # `larger_than` asks Flatten for its output spec on graph tensors, which fails (a Keras bug).
+    head = keras.layers.GlobalAveragePooling2D if mode == "larger_than" else keras.layers.Flatten
+    reference = train(conv_net(head=head, accum_steps=accum_steps), x, y, 4, jit_compile)
+    Traced.traces = 0
+    model = train(
+        conv_net(remat=MODES[mode], head=head, accum_steps=accum_steps), x, y, 4, jit_compile
+    )
+    if mode in ("full", "list_of_layers"):
+        assert Traced.traces > 1  # traced again in the backward pass: recomputed
+    assert_close(reference.variables, model.variables, FLOAT32_ATOL)
+    moved = max(
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+        for a, b in zip(reference.trainable_variables, conv_net(head=head).trainable_variables)
+    )
+    assert moved > 100 * FLOAT32_ATOL  # it trained
+
+
+def test_keras_own_remat_fails_where_ours_trains():
+    """Keras's backend remat (``tf.recompute_grad``) fails in a compiled ``fit`` (issue 21207)."""
+    x, y = image_data(16)
+    model = conv_net(cls=keras.Model, remat=MODES["full"])
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="custom_gradient decorator currently supports keywords"):
+        model.fit(x, y, batch_size=4, verbose=0)
+
+
+def test_remat_at_the_limits_of_accum_steps():
+    """accum_steps=128 at micro-batch 1, under XLA, with a shorter last group."""
+    x, y = image_data(160)
+    reference = train(conv_net(accum_steps=128), x, y, 1, True, epochs=1)
+    model = train(conv_net(remat=MODES["full"], accum_steps=128), x, y, 1, True, epochs=1)
+    assert_close(reference.variables, model.variables, FLOAT32_ATOL)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_remat_with_accum_batchnorm(jit_compile):
+    """AccumBatchNormalization recomputed: its statistics move once per update, as without."""
+    x, y = image_data()
+
+    def build(remat=None):
+        return conv_net(
+            remat=remat, accum_steps=4, batchnorm=lambda: AccumBatchNormalization(accum_steps=4)
+        )
+
+    reference = train(build(), x, y, 4, jit_compile)
+    model = train(build(MODES["full"]), x, y, 4, jit_compile)
+    assert_close(reference.variables, model.variables, FLOAT32_ATOL)
+
+
+def spectral_net(remat=None, seed=0):
+    keras.utils.set_random_seed(seed)
+    scope = contextlib.nullcontext() if remat is None else keras.RematScope(**remat)
+    with scope:
+        inputs = keras.Input((6,))
+        x = keras.layers.SpectralNormalization(keras.layers.Dense(8, activation="tanh"))(inputs)
+        x = keras.layers.Dropout(0.2)(x)
+        outputs = keras.layers.Dense(1)(x)
+        return GradientAccumulateModel(accum_steps=3, inputs=inputs, outputs=outputs)
+
+
+def test_remat_with_spectral_normalization():
+    """A layer that writes a weight in its training call writes it once (its power iteration)."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(36, 6)).astype("float32")
+    y = rng.normal(size=(36, 1)).astype("float32")
+    reference = train(spectral_net(), x, y, 4)
+    model = train(spectral_net(MODES["full"]), x, y, 4)
+    assert_close(reference.variables, model.variables, FLOAT32_ATOL)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_remat_under_mixed_precision(jit_compile):
+    """mixed_float16: the recomputation casts as the forward pass did (its autocast scope)."""
+    x, y = image_data()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        reference = train(conv_net(accum_steps=4), x, y, 4, jit_compile)
+        model = train(conv_net(remat=MODES["full"], accum_steps=4), x, y, 4, jit_compile)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert_close(reference.variables, model.variables, FLOAT16_ATOL)
+
+
+def test_remat_with_the_run_time_micro_batch():
+    """micro_batch_size="auto" recomputes too (the micro-batch found with remat in force)."""
+    x, y = image_data()
+    reference = train(conv_net(accum_steps=2), x, y, 8)
+    model = conv_net(remat=MODES["full"], micro_batch_size="auto")
+    model._runner.auto.micro_batch_size = 8
+    train(model, x, y, 16)
+    assert_close(reference.variables, model.variables, FLOAT32_ATOL)
+
+
+def test_rematerialized_in_a_custom_loop():
+    """GradientAccumulateOptimizer: the forward pass within ``rematerialized()``."""
+    x, y = image_data(32)
+
+    def run(remat):
+        model = conv_net(cls=keras.Model, remat=remat)
+        optimizer = GradientAccumulateOptimizer(keras.optimizers.SGD(0.01), accum_steps=4)
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape, gradient_accumulator.rematerialized():
+                loss = keras.ops.mean(keras.ops.square(model(x, training=True) - y))
+                loss = loss + keras.ops.sum(model.losses)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+        for start in range(0, 32, 4):
+            step(x[start : start + 4], y[start : start + 4])
+        return model
+
+    assert_close(run(None).variables, run(MODES["full"]).variables, FLOAT32_ATOL)
+
+
+def test_remat_function_of_ours():
+    """``gradient_accumulator.remat(layer)``, called in a custom layer, as without it."""
+
+    class Block(keras.layers.Layer):
+        def __init__(self, remat, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(8, activation="gelu")
+            self.dropout = keras.layers.Dropout(0.4)
+            self.forward = gradient_accumulator.remat(self.inner) if remat else self.inner
+
+        def inner(self, x):
+            return self.dropout(self.dense(x))
+
+        def call(self, x):
+            return self.forward(x)
+
+    def build(remat):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        outputs = keras.layers.Dense(1)(Block(remat)(inputs))
+        return GradientAccumulateModel(accum_steps=2, inputs=inputs, outputs=outputs)
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(24, 6)).astype("float32")
+    y = rng.normal(size=(24, 1)).astype("float32")
+    assert_close(
+        train(build(False), x, y, 4).variables, train(build(True), x, y, 4).variables, FLOAT32_ATOL
+    )
