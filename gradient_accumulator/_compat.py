@@ -602,36 +602,20 @@ class LeafWritesScope(keras.StatelessScope):
     read of the variable: no gradient through how ``new`` was computed
     (SpectralNormalization relies on it). A plain scope would return ``new``
     itself; here its value is ``new`` and its gradient goes to the value the
-    variable was mapped to. With ``replay`` (the ``written`` of the scope of
-    the same call made before), each write takes the value that call wrote,
-    and a write it did not make is not made: a recomputation writes what the
-    forward pass did, whatever decided it there (the library's
-    once-per-update rule for layer state skips some). Overrides
-    the scope's ``add_update``, which Keras calls for every write inside it
-    (not public API).
+    variable was mapped to. Overrides the scope's ``add_update``, which Keras
+    calls for every write inside it (not public API).
     """
 
-    def __init__(self, state_mapping, trainable, replay=None):
+    def __init__(self, state_mapping, trainable):
         super().__init__(state_mapping=state_mapping, collect_losses=True)
         self._leaves = {
             id(variable): self.get_current_value(variable)
             for variable, _ in state_mapping
             if id(variable) in trainable
         }
-        # Per variable, the values written, in order; with `replay` (another
-        # scope's `written`), each write takes the value written there instead.
-        self.written = {}
-        self._replay = replay
 
     def add_update(self, update):
         variable, value = update
-        values = self.written.setdefault(id(variable), [])
-        if self._replay is not None:
-            replayed = self._replay.get(id(variable), ())
-            if len(replayed) <= len(values):
-                return  # a write the call did not make there (skipped by a rule)
-            value = replayed[len(values)]
-        values.append(value)
         leaf = self._leaves.get(id(variable))
         if leaf is not None:
             value = tf.stop_gradient(value) + (leaf - tf.stop_gradient(leaf))

@@ -120,13 +120,13 @@ def recompute(f):
         count = len(slots)
         forward = {}
 
-        def run(tensors, state_values, replay=None):
+        def run(tensors, state_values):
             filled = list(flat)
             for slot, tensor in zip(slots, tensors):
                 filled[slot] = tensor
             call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), filled)
             mapping = list(zip(state, state_values))
-            with LeafWritesScope(mapping, trainable, replay) as scope:
+            with LeafWritesScope(mapping, trainable) as scope:
                 start = [scope.get_current_value(variable) for variable in state]
                 outputs = f(*call_args, **call_kwargs)
             written = [
@@ -134,13 +134,13 @@ def recompute(f):
                 for variable, before in zip(state, start)
                 if scope.get_current_value(variable) is not before
             ]
-            return outputs, written, list(scope.losses), scope.written
+            return outputs, written, list(scope.losses)
 
         @tf.custom_gradient
         def checkpointed(*inputs):
             tensors = [tf.stop_gradient(t) for t in inputs[:count]]
             state_values = [tf.stop_gradient(t) for t in inputs[count:]]
-            outputs, written, losses, writes = run(tensors, state_values)
+            outputs, written, losses = run(tensors, state_values)
             flat_outputs = tf.nest.flatten(outputs)
             out_slots = [i for i, value in enumerate(flat_outputs) if tf.is_tensor(value)]
             owners = loss_owners(layer, losses)
@@ -174,7 +174,7 @@ def recompute(f):
                     tape.watch(sources + weights)
                     for variable in captured:
                         tape.watch(variable)
-                    again, _, again_losses, _ = run(tensors, state_values, writes)
+                    again, _, again_losses = run(tensors, state_values)
                 again_flat = tf.nest.flatten(again)
                 targets = [again_flat[i] for i in out_slots] + again_losses
                 pairs = [
