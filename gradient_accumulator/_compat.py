@@ -613,9 +613,14 @@ class LeafWritesScope(keras.StatelessScope):
             for variable, _ in state_mapping
             if id(variable) in trainable
         }
+        self._mapped = {id(variable) for variable, _ in state_mapping}
+        self.foreign = []  # variables written that the mapping does not hold
 
     def add_update(self, update):
         variable, value = update
+        if id(variable) not in self._mapped:
+            self._mapped.add(id(variable))
+            self.foreign.append(variable)
         leaf = self._leaves.get(id(variable))
         if leaf is not None:
             value = tf.stop_gradient(value) + (leaf - tf.stop_gradient(leaf))

@@ -94,6 +94,48 @@ def _after(grads):
     return None
 
 
+# TensorFlow's random operations that keep their own state (not Keras's, which
+# draw from seed states the layer owns): a recomputation would draw anew.
+_STATEFUL_RANDOM = {
+    "RandomUniform",
+    "RandomUniformInt",
+    "RandomStandardNormal",
+    "TruncatedNormal",
+    "Multinomial",
+    "RandomGamma",
+    "RandomPoisson",
+    "RandomPoissonV2",
+    "RandomShuffle",
+    "StatefulUniform",
+    "StatefulUniformInt",
+    "StatefulUniformFullInt",
+    "StatefulStandardNormalV2",
+    "StatefulTruncatedNormal",
+    "RngSkip",
+    "RngReadAndSkip",
+}
+
+
+def _refuse_inexact(f, layer, foreign, operations):
+    """Refuses a call that its recomputation could not repeat: see the error."""
+    random = sorted({op.type for op in operations if op.type in _STATEFUL_RANDOM})
+    if not foreign and not random:
+        return
+    name = layer.name if layer is not None else getattr(f, "__name__", repr(f))
+    received = [f"writes of {[v.path for v in foreign]}"] if foreign else []
+    received += [f"TensorFlow random operations {random}"] if random else []
+    raise ValueError(
+        f"Layer '{name}' is rematerialised (keras.RematScope, keras.remat or "
+        "gradient_accumulator.remat), but its call uses state it does not own: random "
+        "numbers drawn from TensorFlow's own generators or from Keras's global one "
+        "(keras.random with seed=None), or another layer's variables written. Its "
+        "recomputation in the backward pass would not repeat them, and the gradient would "
+        "silently not be the call's. Draw random numbers from a "
+        "keras.random.SeedGenerator the layer owns (seed=self.seed_generator), or build "
+        f"the layer outside the RematScope. Received: {'; '.join(received)}"
+    )
+
+
 def recompute(f):
     """``f`` (a layer's call, a layer, a function), its activations recomputed in the backward pass.
 
@@ -126,9 +168,13 @@ def recompute(f):
                 filled[slot] = tensor
             call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), filled)
             mapping = list(zip(state, state_values))
+            graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+            ops_before = len(graph.get_operations()) if graph is not None else 0
             with LeafWritesScope(mapping, trainable) as scope:
                 start = [scope.get_current_value(variable) for variable in state]
                 outputs = f(*call_args, **call_kwargs)
+            drawn = graph.get_operations()[ops_before:] if graph is not None else []
+            _refuse_inexact(f, layer, scope.foreign, drawn)
             written = [
                 (variable, scope.get_current_value(variable))
                 for variable, before in zip(state, start)

@@ -29,7 +29,6 @@ from gradient_accumulator._compat import (
 )
 from gradient_accumulator.distribute import logs_for_keras
 from gradient_accumulator.group_loss import tracker_state
-from gradient_accumulator.remat import rematerialized
 from gradient_accumulator.weighting import (
     SUM,
     ClassPlan,
@@ -249,7 +248,7 @@ class ModelSteps:
         ``is_first``: whether the micro-step starts its group.
         """
         model = self._model
-        with model._state_writes.once_per_update(x, is_first), rematerialized():
+        with model._state_writes.once_per_update(x, is_first):
             y_pred = model(x, training=True)
         batch_size = _batch_size(x, y)
         with recorded_loss_reductions() as reductions:

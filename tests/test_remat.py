@@ -28,6 +28,7 @@ from tests.helpers import (
     FLOAT32_ATOL,
     KERAS_VERSION,
     assert_close,
+    assert_diff_below,
     run_script_module,
     script_results,
 )
@@ -273,3 +274,75 @@ def test_remat_function_of_ours():
     assert_close(
         train(build(False), x, y, 4).variables, train(build(True), x, y, 4).variables, FLOAT32_ATOL
     )
+
+
+class GlobalNoise(keras.layers.Layer):
+    """Adds noise drawn from Keras's global seed generator (``seed=None``) in training."""
+
+    def call(self, x, training=None):
+        if training:
+            return x + keras.random.normal(keras.ops.shape(x), stddev=0.1)
+        return x
+
+
+class TensorFlowNoise(keras.layers.Layer):
+    """Adds noise drawn by TensorFlow's stateful ``tf.random.uniform`` in training."""
+
+    def call(self, x, training=None):
+        if training:
+            return x + tf.random.uniform(tf.shape(x), maxval=0.1)
+        return x
+
+
+@pytest.mark.parametrize(
+    "noise, match",
+    [
+        (GlobalNoise, r"Layer 'noise' .* Received: writes of \[.*seed_generator_state"),
+        (
+            TensorFlowNoise,
+            r"Layer 'noise' .* Received: TensorFlow random operations \['RandomUniform'\]",
+        ),
+    ],
+)
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_random_numbers_the_layer_does_not_own_are_refused(noise, match, jit_compile):
+    """A recomputation cannot repeat them: refused by the layer's name, not trained silently."""
+    with keras.RematScope(mode="full"):
+        inputs = keras.Input((4,))
+        hidden = noise(name="noise")(keras.layers.Dense(8)(inputs))
+    model = GradientAccumulateModel(
+        accum_steps=2, inputs=inputs, outputs=keras.layers.Dense(1)(hidden)
+    )
+    model.compile(optimizer="sgd", loss="mse", jit_compile=jit_compile)
+    x = np.ones((8, 4), "float32")
+    with pytest.raises(ValueError, match=match):
+        model.fit(x, x[:, :1], batch_size=2, verbose=0)
+
+
+@pytest.mark.slow
+def test_remat_under_two_replicas():
+    """MirroredStrategy, the replicas' shards unlike (tests/scripts/mirrored_remat.py)."""
+    results = script_results(run_script_module("mirrored_remat"))
+    assert results["replicas"] == 2
+    for accum_steps, result in results["results"].items():
+        assert result["updates"][0] == result["updates"][1] == 64 // (8 * int(accum_steps)) * 2
+        assert result["traces"]["remat"] > result["traces"]["reference"], result
+        assert result["moved"] > 100 * FLOAT32_ATOL, result
+        assert_diff_below(result["diff"], FLOAT32_ATOL, f"accum_steps={accum_steps}")
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_remat_model_validates_evaluates_and_predicts(jit_compile):
+    """Keras's TensorFlow remat fails in these calls too; the wrapper's run them as without it."""
+    x, y = image_data()
+    reference = conv_net(accum_steps=2)
+    model = conv_net(remat=MODES["full"], accum_steps=2)
+    histories = [
+        train(m, x, y, 4, jit_compile, epochs=1, validation_data=(x[:16], y[:16])).history.history
+        for m in (reference, model)
+    ]
+    assert_diff_below(abs(histories[0]["val_loss"][0] - histories[1]["val_loss"][0]), 1e-5)
+    assert_diff_below(
+        abs(reference.evaluate(x, y, verbose=0) - model.evaluate(x, y, verbose=0)), 1e-5
+    )
+    assert_close([reference.predict(x, verbose=0)], [model.predict(x, verbose=0)], 1e-5)
