@@ -536,6 +536,7 @@ def keras_rematerialises():
 
 
 _remat_lock = threading.Lock()
+_remat_installed = []  # [count of users, Keras's remat] while replaced
 
 
 @contextlib.contextmanager
@@ -543,21 +544,27 @@ def backend_remat(remat):
     """Within, Keras's TensorFlow backend rematerialises with ``remat(f)``.
 
     Keras has no public hook: its ``RematScope`` and ``keras.remat`` call
-    ``keras.src.backend.tensorflow.core.remat``, replaced here. Nothing where
-    this Keras has no rematerialisation (Keras < 3.9).
+    ``keras.src.backend.tensorflow.core.remat``, replaced here until the last
+    user leaves (replicas trace in threads of their own). Nothing where this
+    Keras has no rematerialisation (Keras < 3.9).
     """
     if not keras_rematerialises():
         yield
         return
     core = _backend_core()
     with _remat_lock:
-        original = core.remat
-        core.remat = remat
+        if not _remat_installed:
+            _remat_installed[:] = [0, core.remat]
+            core.remat = remat
+        _remat_installed[0] += 1
     try:
         yield
     finally:
         with _remat_lock:
-            core.remat = original
+            _remat_installed[0] -= 1
+            if _remat_installed[0] == 0:
+                core.remat = _remat_installed[1]
+                _remat_installed.clear()
 
 
 # Keras's dynamic context of a layer call, which a recomputation in the backward

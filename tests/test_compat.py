@@ -438,3 +438,96 @@ def test_stateless_scope_writes_lists_what_the_scope_caught():
     )
     assert float(caught[id(written)]) == 3.0 and id(untouched) not in caught
     assert float(written.numpy()) == 1.0
+
+
+@pytest.mark.skipif(
+    not hasattr(keras, "RematScope"), reason="Keras < 3.9 has no rematerialisation to replace"
+)
+def test_backend_remat_is_what_remat_scope_calls():
+    calls = []
+
+    def spy(f):
+        calls.append(f)
+        return f
+
+    with keras.RematScope(mode="full"):
+        layer = keras.layers.Dense(2)
+    with _compat.backend_remat(spy):
+        layer(np.ones((1, 3), "float32"))
+        keras.remat(lambda x: x)
+    assert len(calls) == 2, _changed(
+        "keras.src.backend.tensorflow.core.remat",
+        "RematScope or keras.remat no longer call it when a marked layer is called",
+    )
+    assert _compat.keras_rematerialises()
+
+
+@pytest.mark.skipif(not hasattr(keras, "RematScope"), reason="used by rematerialisation only")
+def test_call_context_carries_training_and_autocast():
+    seen = {}
+
+    class Inner(keras.layers.Layer):
+        def call(self, x, training=None):
+            seen["context"] = _compat.call_context()
+            seen["training"] = training
+            return x
+
+    class Outer(keras.layers.Layer):
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner()
+
+        def call(self, x):
+            return self.inner(x)
+
+    Outer()(np.ones((1, 2), "float32"), training=True)
+    context = seen["context"]
+    assert set(context) == {"current_call_ctx", "autocast_scope"}
+    assert getattr(context["current_call_ctx"], "training", None) is True, _changed(
+        "global_state 'current_call_ctx'", "no longer holds the call's `training`"
+    )
+
+    class Probe(keras.layers.Layer):
+        def call(self, x):
+            with _compat.call_context_of(context):
+                return Inner()(x)
+
+    seen.clear()
+    Probe()(np.ones((1, 2), "float32"))
+    assert seen["training"] is True, _changed(
+        "global_state 'current_call_ctx'", "set again, it no longer passes `training` on"
+    )
+
+
+@pytest.mark.skipif(not hasattr(keras, "RematScope"), reason="used by rematerialisation only")
+def test_leaf_writes_scope_and_loss_owners():
+    variable = keras.Variable(np.ones(2, "float32"))
+    other = keras.Variable(np.zeros(2, "float32"))
+    start = tf.constant([2.0, 2.0])
+    with tf.GradientTape() as tape:
+        tape.watch(start)
+        with _compat.LeafWritesScope([(variable, start)], {id(variable)}) as scope:
+            variable.assign(variable * 3.0)
+            other.assign(tf.ones(2))
+            read = variable.value
+        loss = tf.reduce_sum(read)
+    assert np.allclose(read, [6.0, 6.0]), _changed("StatelessScope.add_update", f"read {read}")
+    assert np.allclose(tape.gradient(loss, start), [1.0, 1.0]), _changed(
+        "StatelessScope.add_update", "a write's value no longer goes through it"
+    )
+    assert scope.foreign == [other]
+    with _compat.no_autocast():
+        pass
+
+    class AddsLoss(keras.layers.Layer):
+        def call(self, x):
+            self.add_loss(tf.reduce_sum(x))
+            return x
+
+    outer = keras.Sequential([keras.Input((2,)), AddsLoss(name="adds")])
+    with keras.StatelessScope(collect_losses=True) as scope:
+        outer(np.ones((1, 2), "float32"))
+    owners = _compat.loss_owners(outer, scope.losses)
+    assert [owner.name for owner in owners] == ["adds"], _changed(
+        "Layer._loss_ids", "no longer records the losses a layer adds in a stateless scope"
+    )

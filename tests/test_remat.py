@@ -346,3 +346,20 @@ def test_a_remat_model_validates_evaluates_and_predicts(jit_compile):
         abs(reference.evaluate(x, y, verbose=0) - model.evaluate(x, y, verbose=0)), 1e-5
     )
     assert_close([reference.predict(x, verbose=0)], [model.predict(x, verbose=0)], 1e-5)
+
+
+def test_remat_with_a_coupled_loss():
+    """coupled_loss: both passes over the group's micro-batches recompute, masks replayed."""
+    from tests.test_coupled import accumulating, info_nce, pairs
+
+    x, y = pairs(48)
+
+    def run(remat):
+        scope = contextlib.nullcontext() if remat is None else keras.RematScope(**remat)
+        with scope:
+            model = accumulating(4, coupled_loss="replica", dropout=True)
+        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss=info_nce)
+        model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+        return model
+
+    assert_close(run(None).variables, run(MODES["full"]).variables, FLOAT32_ATOL)
