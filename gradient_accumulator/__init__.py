@@ -29,7 +29,8 @@ from gradient_accumulator.micro_batch import (  # noqa: E402
 )
 from gradient_accumulator.model import GradientAccumulateModel  # noqa: E402
 from gradient_accumulator.optimizer import GradientAccumulateOptimizer  # noqa: E402
-from gradient_accumulator.remat import remat, rematerialized  # noqa: E402
+from gradient_accumulator.remat import install as _install_remat  # noqa: E402
+from gradient_accumulator.remat import remat  # noqa: E402
 
 __all__ = [
     "AccumBatchNormalization",
@@ -41,8 +42,10 @@ __all__ = [
     "average_batchnorm_statistics",
     "choose_micro_batch",
     "remat",
-    "rematerialized",
     "replace_batchnorm_layers",
     "restore_batchnorm_layers",
     "__version__",
 ]
+
+# keras.RematScope and keras.remat work on TensorFlow, exactly (gradient_accumulator.remat).
+_install_remat()

@@ -535,36 +535,29 @@ def keras_rematerialises():
     return hasattr(keras, "RematScope") and hasattr(_backend_core(), "remat")
 
 
-_remat_lock = threading.Lock()
-_remat_installed = []  # [count of users, Keras's remat] while replaced
+def install_backend_remat(remat):
+    """Makes ``remat(f)`` Keras's TensorFlow backend remat, for the process.
+
+    Keras has no public hook: its ``RematScope`` and ``keras.remat`` call
+    ``keras.src.backend.tensorflow.core.remat`` (when a marked layer is
+    called, when ``keras.remat`` is). Importing the package replaces it
+    (:mod:`gradient_accumulator.remat`). Nothing where this Keras has no
+    rematerialisation (Keras < 3.9).
+    """
+    if keras_rematerialises():
+        _backend_core().remat = remat
 
 
 @contextlib.contextmanager
 def backend_remat(remat):
-    """Within, Keras's TensorFlow backend rematerialises with ``remat(f)``.
-
-    Keras has no public hook: its ``RematScope`` and ``keras.remat`` call
-    ``keras.src.backend.tensorflow.core.remat``, replaced here until the last
-    user leaves (replicas trace in threads of their own). Nothing where this
-    Keras has no rematerialisation (Keras < 3.9).
-    """
-    if not keras_rematerialises():
-        yield
-        return
+    """Within, Keras's TensorFlow backend remat is ``remat(f)`` (tests: Keras's own again)."""
     core = _backend_core()
-    with _remat_lock:
-        if not _remat_installed:
-            _remat_installed[:] = [0, core.remat]
-            core.remat = remat
-        _remat_installed[0] += 1
+    previous = core.remat
+    core.remat = remat
     try:
         yield
     finally:
-        with _remat_lock:
-            _remat_installed[0] -= 1
-            if _remat_installed[0] == 0:
-                core.remat = _remat_installed[1]
-                _remat_installed.clear()
+        core.remat = previous
 
 
 # Keras's dynamic context of a layer call, which a recomputation in the backward

@@ -30,7 +30,6 @@ from gradient_accumulator.coupled import (
 from gradient_accumulator.distribute import is_multi_worker
 from gradient_accumulator.engine import GradientAccumulator, StateEntry, load_state, save_state
 from gradient_accumulator.group_loss import GroupLoss
-from gradient_accumulator.remat import rematerialized
 from gradient_accumulator.runner import GroupRunner
 from gradient_accumulator.state_writes import StateWrites
 from gradient_accumulator.steps import ModelSteps, update_step_scope
@@ -351,12 +350,6 @@ class GradientAccumulateModel(keras.Model):
         self.compile(**config)
         if self.built:
             self.optimizer.build(self.trainable_variables)
-
-    def __call__(self, *args, **kwargs):
-        # Layers made under keras.RematScope recompute exactly, on TensorFlow, in
-        # every call: training, evaluate, predict (gradient_accumulator.remat).
-        with rematerialized():
-            return super().__call__(*args, **kwargs)
 
     def train_step(self, data):
         """One micro-step; the group's end if its counters say it ends the group."""

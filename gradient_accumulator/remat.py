@@ -27,11 +27,13 @@ a new mask, BatchNormalization moves its statistics a second time.
   run before the backward pass reaches it and cannot be merged with the
   forward pass (Grappler and XLA would otherwise do so: no memory saved).
 
-:func:`rematerialized` makes it Keras's backend remat for a while; the
-training forward pass of :class:`~gradient_accumulator.GradientAccumulateModel`
-runs within it, so a model built under ``keras.RematScope`` trains with its
-activations recomputed. ``keras.remat(f)`` binds TensorFlow's at once, when
-called: :func:`remat` is the same with :func:`recompute`.
+:func:`install` makes it Keras's TensorFlow backend remat; importing
+``gradient_accumulator`` calls it, so a model built under
+``keras.RematScope`` (a ``GradientAccumulateModel`` or not, in ``fit``,
+``evaluate``, ``predict`` or a custom loop) recomputes its activations, and
+``keras.remat(f)`` works, once the package is imported. ``keras.remat``
+binds the backend's remat when it is called: where it was called before the
+import, :func:`remat` is the same with :func:`recompute`.
 """
 
 import functools
@@ -41,29 +43,18 @@ import tensorflow as tf
 
 from gradient_accumulator._compat import (
     LeafWritesScope,
-    backend_remat,
     call_context,
     call_context_of,
+    install_backend_remat,
     loss_owners,
     no_autocast,
 )
 from gradient_accumulator.state_writes import active_frame, in_frame
 
 
-def rematerialized():
-    """A context within which Keras's rematerialisation works on TensorFlow, exactly.
-
-    Within, layers made under ``keras.RematScope`` (every mode) recompute
-    their activations with :func:`recompute`. A ``GradientAccumulateModel``'s
-    training forward pass runs within it already; use it in a custom
-    training loop around the forward pass (on the tape)::
-
-        with tf.GradientTape() as tape, gradient_accumulator.rematerialized():
-            loss = loss_fn(y, model(x, training=True))
-
-    Nothing changes where Keras has no ``RematScope`` (Keras < 3.9).
-    """
-    return backend_remat(recompute)
+def install():
+    """Makes :func:`recompute` Keras's TensorFlow remat (importing the package does)."""
+    install_backend_remat(recompute)
 
 
 def remat(f):
@@ -209,14 +200,7 @@ def recompute(f):
                     v for v, variable in zip(state_values, state) if id(variable) in trainable
                 ]
                 captured = list(variables or [])
-                # Layers inside the recomputation recompute too (the backward pass
-                # runs outside the forward pass's `rematerialized`).
-                with (
-                    tf.GradientTape() as tape,
-                    call_context_of(context),
-                    in_frame(frame),
-                    rematerialized(),
-                ):
+                with tf.GradientTape() as tape, call_context_of(context), in_frame(frame):
                     tape.watch(sources + weights)
                     for variable in captured:
                         tape.watch(variable)

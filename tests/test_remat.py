@@ -22,6 +22,7 @@ from gradient_accumulator import (
     AccumBatchNormalization,
     GradientAccumulateModel,
     GradientAccumulateOptimizer,
+    _compat,
 )
 from tests.helpers import (
     FLOAT16_ATOL,
@@ -147,13 +148,23 @@ def test_remat_trains_as_without(mode, jit_compile, accum_steps):
     assert moved > 100 * FLOAT32_ATOL  # it trained
 
 
-def test_keras_own_remat_fails_where_ours_trains():
-    """Keras's backend remat (``tf.recompute_grad``) fails in a compiled ``fit`` (issue 21207)."""
+def test_keras_own_remat_fails_where_the_package_s_trains_a_plain_model():
+    """Keras's TensorFlow remat (``tf.recompute_grad``) fails in a compiled ``fit`` (issue 21207).
+
+    With the package imported, Keras's API recomputes with the package's,
+    for a plain ``keras.Model`` too: trained as without rematerialisation.
+    """
     x, y = image_data(16)
     model = conv_net(cls=keras.Model, remat=MODES["full"])
     model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError, match="custom_gradient decorator currently supports keywords"):
-        model.fit(x, y, batch_size=4, verbose=0)
+    with _compat.backend_remat(tf.recompute_grad):
+        with pytest.raises(ValueError, match="custom_gradient decorator currently supports"):
+            model.fit(x, y, batch_size=4, verbose=0)
+    Traced.traces = 0
+    model = train(conv_net(cls=keras.Model, remat=MODES["full"]), x, y, 4)
+    assert Traced.traces > 1
+    reference = train(conv_net(cls=keras.Model), x, y, 4)
+    assert_close(reference.variables, model.variables, FLOAT32_ATOL)
 
 
 def test_remat_at_the_limits_of_accum_steps():
@@ -223,8 +234,8 @@ def test_remat_with_the_run_time_micro_batch():
     assert_close(reference.variables, model.variables, FLOAT32_ATOL)
 
 
-def test_rematerialized_in_a_custom_loop():
-    """GradientAccumulateOptimizer: the forward pass within ``rematerialized()``."""
+def test_remat_in_a_custom_loop():
+    """GradientAccumulateOptimizer and a loop of one's own: Keras's API as documented."""
     x, y = image_data(32)
 
     def run(remat):
@@ -233,7 +244,7 @@ def test_rematerialized_in_a_custom_loop():
 
         @tf.function
         def step(x, y):
-            with tf.GradientTape() as tape, gradient_accumulator.rematerialized():
+            with tf.GradientTape() as tape:
                 loss = keras.ops.mean(keras.ops.square(model(x, training=True) - y))
                 loss = loss + keras.ops.sum(model.losses)
             grads = tape.gradient(loss, model.trainable_variables)
