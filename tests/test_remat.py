@@ -26,11 +26,16 @@ from gradient_accumulator import (
     choose_micro_batch,
 )
 from tests.helpers import (
+    FLOAT8_KERNEL_RTOL,
+    FLOAT8_STATE_RTOL,
     FLOAT16_ATOL,
     FLOAT32_ATOL,
     KERAS_VERSION,
     assert_close,
     assert_diff_below,
+    build_float8,
+    float8_differences,
+    make_float8_data,
     run_script_module,
     script_results,
 )
@@ -417,3 +422,20 @@ def test_choose_micro_batch_measures_with_the_model_s_remat():
     budget = (plain.peak_bytes + rematerialised.peak_bytes) // 2
     assert choose(False, budget).micro_batch < 256
     assert choose(True, budget).micro_batch == 256
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_remat_with_float8_layers(jit_compile):
+    """Float8 Dense layers recomputed: their scales and amax histories written once, as without."""
+    x, y = make_float8_data()
+
+    def run(remat):
+        with keras.RematScope(mode="full") if remat else contextlib.nullcontext():
+            model = build_float8(GradientAccumulateModel, accum_steps=4)
+        model.compile(keras.optimizers.Adam(0.01), "mse", jit_compile=jit_compile)
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        return model
+
+    differences = float8_differences(run(False), run(True))
+    assert differences["state"] < FLOAT8_STATE_RTOL, differences
+    assert differences["kernel"] < FLOAT8_KERNEL_RTOL, differences
