@@ -154,6 +154,10 @@ EXPECTED = {
         {"accum_steps", "widths", "micro_batch", "goal", "single_device", "mirrored"},
         {"mode", "accum_over_keras", "accumulate_only_over_keras", "update_step_over_keras"},
     ),
+    "remat": (
+        {"quick", "accum_steps", "setups", "results", "fits", "time", "goals"},
+        {"model", "variant", "mode", "micro_batch", "tf_idle_mb", "tf_extra_mb", "over_none"},
+    ),
 }
 
 
