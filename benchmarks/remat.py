@@ -2,8 +2,9 @@
 
 A model built under ``keras.RematScope`` and wrapped in
 ``GradientAccumulateModel(accum_steps=4)`` recomputes the activations of the
-layers the scope marked in the backward pass of ``fit`` (plain
-``keras.Model`` fails with it on TensorFlow). What is compared, each against
+layers the scope marked in the backward pass of ``fit`` (Keras's own
+rematerialisation fails on TensorFlow; importing the package replaces it:
+``gradient_accumulator.remat``). What is compared, each against
 the same model built from the same seed without the scope ("none"):
 
 - a deep MLP: 20 Dense layers of width 1024 with GELU (21.0 M parameters),
