@@ -11,6 +11,7 @@ in the backward pass) and, for Keras's own remat, that it fails (Keras issue
 """
 
 import contextlib
+import gc
 
 import keras
 import numpy as np
@@ -405,23 +406,27 @@ def gelu_blocks(remat, accum_steps=1):
 def test_choose_micro_batch_measures_with_the_model_s_remat():
     """The search measures the model as it trains: rematerialised, a larger micro-batch fits.
 
-    The budget is halfway between the whole batch's peaks with and without
-    rematerialisation (measured first, here 34.5 and 49.5 MiB).
+    The peaks are the allocator's, whatever else the process holds (a pytest
+    worker's earlier tests): compared by their difference (alone: 49.5 and
+    34.5 MiB at 256 rows, 28 MiB apart at 512). The budget is halfway between
+    the whole batch's peaks with and without rematerialisation.
     """
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(512, 512)).astype("float32")
-    y = rng.normal(size=(512, 1)).astype("float32")
+    x = rng.normal(size=(1024, 512)).astype("float32")
+    y = rng.normal(size=(1024, 1)).astype("float32")
 
     def choose(remat, budget="1 GiB"):
+        gc.collect()
         return choose_micro_batch(
-            lambda k: gelu_blocks(remat, k), x, y, batch_size=256, memory_budget=budget, verbose=0
+            lambda k: gelu_blocks(remat, k), x, y, batch_size=512, memory_budget=budget, verbose=0
         )
 
     plain, rematerialised = choose(False), choose(True)
-    assert rematerialised.peak_bytes < 0.8 * plain.peak_bytes, (plain, rematerialised)
+    saved = plain.peak_bytes - rematerialised.peak_bytes
+    assert saved > 16 * 2**20, (plain, rematerialised)
     budget = (plain.peak_bytes + rematerialised.peak_bytes) // 2
-    assert choose(False, budget).micro_batch < 256
-    assert choose(True, budget).micro_batch == 256
+    assert choose(False, budget).micro_batch < 512
+    assert choose(True, budget).micro_batch == 512
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
