@@ -46,6 +46,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+# float16 under XLA, with rematerialisation against without: see
+# test_remat_under_mixed_precision.
+REMAT_XLA_FLOAT16_ATOL = 1e-2
+
+
 class Traced(keras.layers.Layer):
     """The identity, counting the times its call is traced (forward and recomputation)."""
 
@@ -220,7 +225,15 @@ def test_remat_with_spectral_normalization():
 
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_remat_under_mixed_precision(jit_compile):
-    """mixed_float16: the recomputation casts as the forward pass did (its autocast scope)."""
+    """mixed_float16: the recomputation casts as the forward pass did (its autocast scope).
+
+    Without it the recomputation would read float32 kernels beside float16
+    inputs and fail. Under XLA the recomputation is compiled apart from the
+    forward pass and rounds its float16 activations its own way: 4.9e-3 after
+    24 updates (Keras 3.10 / TensorFlow 2.19; the same model without
+    rematerialisation is 2.2e-3 from itself between graph mode and XLA there):
+    ``REMAT_XLA_FLOAT16_ATOL``.
+    """
     x, y = image_data()
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
@@ -228,7 +241,8 @@ def test_remat_under_mixed_precision(jit_compile):
         model = train(conv_net(remat=MODES["full"], accum_steps=4), x, y, 4, jit_compile)
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    assert_close(reference.variables, model.variables, FLOAT16_ATOL)
+    tolerance = REMAT_XLA_FLOAT16_ATOL if jit_compile else FLOAT16_ATOL
+    assert_close(reference.variables, model.variables, tolerance)
 
 
 def test_remat_with_the_run_time_micro_batch():
