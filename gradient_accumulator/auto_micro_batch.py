@@ -132,7 +132,7 @@ def xla_micro_step(model, steps, ends_group, measures):
     (carried, added to inside the program, where XLA fuses the add with the
     gradient) and are written once per group (:func:`write_carried_sums`).
     With the update an XLA program too, this took the settled mode from
-    1.04-1.05x a fixed ``accum_steps`` to 1.005-1.019x (CPU time,
+    1.04-1.05x a fixed ``accum_steps`` to 0.967-1.019x (CPU time,
     ``benchmarks.auto_micro_batch``).
 
     Returns:
@@ -181,8 +181,7 @@ def xla_micro_step(model, steps, ends_group, measures):
     def run(data, index, count, sums):
         values, sums = strategy.run(program, args=(data, index, count, sums))
         if not checked:
-            concrete = program.get_concrete_function(data, index, count, sums)
-            writes = _writes_in(concrete)
+            writes = _writes_in(program.get_concrete_function(data, index, count, sums))
             if writes:
                 raise ValueError(
                     f"Model '{model.name}' writes variables in its micro-step that Keras does "

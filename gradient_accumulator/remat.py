@@ -131,8 +131,8 @@ def recompute(f):
     """``f`` (a layer's call, a layer, a function), its activations recomputed in the backward pass.
 
     See the module for how; the result equals ``f``'s and so do the
-    gradients (bit for bit in graph mode, within float32 rounding under
-    XLA, which compiles the recomputation apart).
+    gradients, within float32 rounding (bit for bit in graph mode for most
+    models; under XLA the recomputation is compiled apart).
     """
     layer = _owner(f)
 
@@ -140,11 +140,8 @@ def recompute(f):
     def rematerialised(*args, **kwargs):
         flat = tf.nest.flatten((args, kwargs))
         slots = [i for i, value in enumerate(flat) if tf.is_tensor(value)]
-        state, seen = [], set()
-        for variable in layer.variables if layer is not None else []:
-            if id(variable) not in seen:
-                seen.add(id(variable))
-                state.append(variable)
+        # Each variable once, in order.
+        state = list({id(v): v for v in (layer.variables if layer is not None else [])}.values())
         trainable = {id(v) for v in layer.trainable_variables} if layer is not None else set()
         with no_autocast():  # the state in its own dtype, as it is kept
             values = [tf.convert_to_tensor(variable.value) for variable in state]
@@ -180,9 +177,13 @@ def recompute(f):
             outputs, written, losses = run(tensors, state_values)
             flat_outputs = tf.nest.flatten(outputs)
             out_slots = [i for i, value in enumerate(flat_outputs) if tf.is_tensor(value)]
-            owners = loss_owners(layer, losses)
-            forward.update(outputs=outputs, flat=flat_outputs, slots=out_slots, written=written)
-            forward.update(owners=owners)
+            forward.update(
+                outputs=outputs,
+                flat=flat_outputs,
+                slots=out_slots,
+                written=written,
+                owners=loss_owners(layer, losses),
+            )
 
             def grad(*output_grads, variables=None):
                 gate = _after(output_grads)

@@ -431,9 +431,10 @@ class GroupRunner:
             self._functions[(SPLIT_BATCHES, measures)] = (
                 self._compiled_once(("split group", measures), lambda: group),
                 # Under XLA the update is an XLA program, as the fixed mode's: in graph
-                # mode it cost 5-13 % of a settled group on the dense benchmark (its
-                # optimizer's ops one by one, not fused). It writes the variables in
-                # place; running out of memory there ends `fit` (`AutoMicroBatch.run_group`).
+                # mode (its optimizer's ops one by one, not fused) it made the settled
+                # mode 1.09-1.12x the fixed one (docs/benchmarks.rst). It writes the
+                # variables in place; running out of memory there ends `fit`
+                # (`AutoMicroBatch.run_group`).
                 self._compiled_once(("split end", measures), lambda: end, jit_compile=xla),
             )
         return self._functions[(SPLIT_BATCHES, measures)]
