@@ -458,3 +458,25 @@ def test_remat_with_float8_layers(jit_compile):
     differences = float8_differences(run(False), run(True))
     assert differences["state"] < FLOAT8_STATE_RTOL, differences
     assert differences["kernel"] < FLOAT8_KERNEL_RTOL, differences
+
+
+@pytest.mark.parametrize("data", ["steps_per_execution", "unknown_length"])
+def test_remat_with_other_data_paths(data):
+    """steps_per_execution=2 (two groups per call); data of unknown length (micro-steps)."""
+    x, y = image_data()
+
+    def run(remat):
+        model = conv_net(remat=remat, accum_steps=4)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.01, momentum=0.5),
+            loss="mse",
+            steps_per_execution=2 if data == "steps_per_execution" else 1,
+        )
+        if data == "unknown_length":
+            dataset = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda *_: True).batch(4)
+            model.fit(dataset, epochs=2, verbose=0)
+        else:
+            model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+        return model
+
+    assert_close(run(None).variables, run(MODES["full"]).variables, FLOAT32_ATOL)
